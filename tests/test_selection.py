@@ -1,0 +1,218 @@
+"""Selection rules against brute force, and every error path of ``pods.selection.select``."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pods.selection import available_rules, register_rule, select, subset_variance
+
+REWARD_KINDS = ("binary", "multilevel", "continuous", "negative", "large_offset", "few_ties")
+
+
+def make_rewards(kind: str, groups: int, n: int, generator: torch.Generator) -> torch.Tensor:
+    """A reward matrix of one of the kinds the rules must handle exactly."""
+    shape = (groups, n)
+    if kind == "binary":
+        return torch.randint(0, 2, shape, generator=generator).double()
+    if kind == "multilevel":
+        levels = torch.tensor([0.0, 0.1, 1.0, 1.2], dtype=torch.float64)
+        return levels[torch.randint(0, 4, shape, generator=generator)]
+    if kind == "continuous":
+        return torch.rand(shape, generator=generator, dtype=torch.float64)
+    if kind == "negative":
+        return -5.0 * torch.rand(shape, generator=generator, dtype=torch.float64)
+    if kind == "large_offset":
+        return 1e6 + 1e-3 * torch.randn(shape, generator=generator, dtype=torch.float64)
+    if kind == "few_ties":
+        return torch.randint(-2, 3, shape, generator=generator).double() * 0.5
+    raise AssertionError(kind)
+
+
+def brute_force_max_variance(rewards: torch.Tensor, m: int) -> torch.Tensor:
+    """Largest sample variance over every m-subset of each row: ``[G]``."""
+    n = rewards.shape[1]
+    subsets = torch.tensor(list(itertools.combinations(range(n), m)))  # [C, m]
+    chosen = rewards[:, subsets]  # [G, C, m]
+    if m == 1:
+        return rewards.new_zeros(rewards.shape[0])
+    centred = chosen - chosen.mean(dim=2, keepdim=True)
+    return ((centred * centred).sum(dim=2) / (m - 1)).max(dim=1).values
+
+
+def assert_valid_indices(indices: torch.Tensor, groups: int, n: int, m: int) -> None:
+    assert indices.dtype == torch.long
+    assert indices.shape == (groups, m)
+    assert bool(((indices >= 0) & (indices < n)).all())
+    for row in indices.tolist():
+        assert len(set(row)) == m
+        assert row == sorted(row)
+
+
+@pytest.mark.parametrize("kind", REWARD_KINDS)
+def test_max_variance_matches_brute_force_on_thousands_of_instances(kind: str) -> None:
+    generator = torch.Generator().manual_seed(1234)
+    checked = 0
+    for n in range(1, 13):
+        for m in range(1, n + 1):
+            groups = 60 if n <= 10 else 15
+            rewards = make_rewards(kind, groups, n, generator)
+            kept = select(rewards, m, "max_variance")
+            assert_valid_indices(kept, groups, n, m)
+            got = subset_variance(rewards, kept)
+            best = brute_force_max_variance(rewards, m)
+            scale = rewards.abs().max().item() if kind != "large_offset" else 1.0
+            torch.testing.assert_close(got, best, rtol=1e-9, atol=1e-12 * max(scale, 1.0) ** 2)
+            checked += groups
+    assert checked > 3000
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    n=st.integers(min_value=1, max_value=12),
+    kind=st.sampled_from(REWARD_KINDS),
+)
+def test_max_variance_property(data: st.DataObject, n: int, kind: str) -> None:
+    m = data.draw(st.integers(min_value=1, max_value=n))
+    seed = data.draw(st.integers(min_value=0, max_value=2**31 - 1))
+    rewards = make_rewards(kind, 3, n, torch.Generator().manual_seed(seed))
+    kept = select(rewards, m)
+    assert_valid_indices(kept, 3, n, m)
+    torch.testing.assert_close(
+        subset_variance(rewards, kept), brute_force_max_variance(rewards, m), rtol=1e-9, atol=1e-12
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.floats(-1e3, 1e3), min_size=6, max_size=6), min_size=1, max_size=4),
+    m=st.integers(1, 6),
+)
+def test_max_variance_on_arbitrary_floats(rows: list[list[float]], m: int) -> None:
+    rewards = torch.tensor(rows, dtype=torch.float64)
+    kept = select(rows, m)
+    best = brute_force_max_variance(rewards, m)
+    torch.testing.assert_close(subset_variance(rewards, kept), best, rtol=1e-9, atol=1e-7)
+
+
+def test_binary_rewards_take_correct_as_close_to_half_as_possible() -> None:
+    n, m = 16, 8
+    for correct in range(n + 1):
+        rewards = torch.zeros(n)
+        rewards[torch.randperm(n, generator=torch.Generator().manual_seed(correct))[:correct]] = 1.0
+        kept = select(rewards, m)
+        kept_correct = int(rewards[kept].sum())
+        expected = min(max(m // 2, m - (n - correct)), correct)
+        assert kept_correct == expected, (correct, kept_correct)
+
+
+def test_ties_are_deterministic_and_documented() -> None:
+    # All equal: the first m rollouts.
+    assert select([3.0] * 6, 4).tolist() == [0, 1, 2, 3]
+    # Odd m on binary rewards: one more low than high (fewest highest among equally good splits),
+    # earliest rollouts among equal rewards on the low side.
+    rewards = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert select(rewards, 3).tolist() == [1, 3, 4]
+    assert select(rewards, 3).tolist() == select(torch.tensor(rewards), 3).tolist()
+
+
+def test_max_reward_and_all_and_random() -> None:
+    rewards = torch.tensor([[0.5, 2.0, 1.0, 2.0, -1.0]])
+    assert select(rewards, 2, "max_reward").tolist() == [[1, 3]]
+    assert select(rewards, 5, "all").tolist() == [[0, 1, 2, 3, 4]]
+    first = select(rewards.expand(50, 5), 3, "random", generator=torch.Generator().manual_seed(7))
+    again = select(rewards.expand(50, 5), 3, "random", generator=torch.Generator().manual_seed(7))
+    assert torch.equal(first, again)
+    assert_valid_indices(first, 50, 5, 3)
+    assert len({tuple(row) for row in first.tolist()}) > 1  # not the same subset every time
+
+
+def test_random_is_uniform_over_positions() -> None:
+    kept = select(torch.zeros(20000, 8), 2, "random", generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(kept.flatten(), minlength=8).double()
+    assert (counts / counts.sum() - 1 / 8).abs().max() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64])
+def test_any_dtype_gives_the_float64_answer(dtype: torch.dtype) -> None:
+    rewards = torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0, 2.0, 0.0, 3.0]])
+    kept = select(rewards.to(dtype), 4)
+    assert kept.tolist() == select(rewards.double(), 4).tolist()
+
+
+def test_one_group_as_1d_input_returns_1d() -> None:
+    kept = select([0.0, 1.0, 0.5, 1.0], 2)
+    assert kept.ndim == 1 and kept.tolist() == [0, 3]  # highest side takes the later of equal rewards
+
+
+def test_groups_never_mix() -> None:
+    # Group 1 has all the high rewards; selection in group 0 must not be influenced by it.
+    rewards = torch.tensor([[0.0, 0.1, 0.2, 0.3], [10.0, 20.0, 30.0, 40.0]])
+    assert select(rewards, 2).tolist() == [[0, 3], [0, 3]]
+    assert select(rewards[:1], 2).tolist() == [[0, 3]]
+
+
+@pytest.mark.parametrize(
+    ("rewards", "m", "rule", "message"),
+    [
+        ([[1.0, 2.0]], 3, "max_variance", "m=3"),
+        ([[1.0, 2.0]], 0, "max_variance", "at least 1"),
+        ([[1.0, float("nan")]], 1, "max_variance", "finite"),
+        ([[1.0, float("inf")]], 1, "max_variance", "finite"),
+        ([[[1.0]]], 1, "max_variance", "2-D"),
+        (torch.zeros(0, 4), 1, "max_variance", "empty"),
+        (torch.zeros(2, 0), 1, "max_variance", "empty"),
+        ([[1.0, 2.0]], 1, "no_such_rule", "max_variance, max_reward, random, all"),
+        ([[1.0, 2.0, 3.0]], 2, "all", "m must equal n"),
+        ([[1.0, 2.0], [1.0]], 1, "max_variance", "equal-length"),
+        ([[1.0, 2.0]], 1.0, "max_variance", "must be an int"),
+        (torch.tensor([[1 + 1j, 2]]), 1, "max_variance", "complex"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(rewards: object, m: object, rule: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        select(rewards, m, rule)  # type: ignore[arg-type]
+
+
+def test_registered_rule_is_used_and_validated() -> None:
+    def lowest(rewards: torch.Tensor, m: int, generator: torch.Generator | None) -> torch.Tensor:
+        return rewards.argsort(dim=1)[:, :m]
+
+    register_rule("test_lowest", lowest)
+    assert "test_lowest" in available_rules()
+    assert select([[3.0, 1.0, 2.0]], 2, "test_lowest").tolist() == [[1, 2]]
+    with pytest.raises(ValueError, match="already registered"):
+        register_rule("test_lowest", lowest)
+    register_rule("test_lowest", lowest, overwrite=True)
+    with pytest.raises(ValueError, match="built-in"):
+        register_rule("max_variance", lowest)
+
+    bad_outputs = {
+        "test_shape": (lambda r, m, g: torch.zeros(r.shape[0], m + 1, dtype=torch.long), "shape"),
+        "test_range": (lambda r, m, g: torch.full((r.shape[0], m), r.shape[1], dtype=torch.long), "outside"),
+        "test_dupes": (lambda r, m, g: torch.zeros(r.shape[0], m, dtype=torch.long), "same rollout twice"),
+        "test_float": (lambda r, m, g: torch.zeros(r.shape[0], m), "integer"),
+        "test_list": (lambda r, m, g: [[0] * m], "torch.Tensor"),
+    }
+    for name, (fn, message) in bad_outputs.items():
+        register_rule(name, fn, overwrite=True)
+        with pytest.raises(ValueError, match=message) as error:
+            select([[3.0, 1.0, 2.0]], 2, name)
+        assert name in str(error.value)
+
+
+def test_callable_rule_without_registering() -> None:
+    kept = select([[3.0, 1.0, 2.0, 0.0]], 2, lambda r, m, g: r.argsort(dim=1, descending=True)[:, :m])
+    assert kept.tolist() == [[0, 2]]
+
+
+def test_rule_name_validation() -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        register_rule("", lambda r, m, g: r)
+    with pytest.raises(ValueError, match="callable"):
+        register_rule("x", 3)  # type: ignore[arg-type]
