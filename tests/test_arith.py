@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 
@@ -28,7 +29,7 @@ def _check_solution(solution: str, answer: int) -> list[tuple[int, str, int, int
     assert steps, solution
     for a, op, b, c in steps:
         assert c == {"+": a + b, "-": a - b, "*": a * b}[op], solution
-    for (_, _, _, c), (a, _, _, _) in zip(steps, steps[1:], strict=False):
+    for (_, _, _, c), (a, _, _, _) in itertools.pairwise(steps):
         assert a == c, f"chain broken in {solution}"
     assert solution.endswith(f" #### {answer}") and steps[-1][3] == answer
     return steps
