@@ -1,0 +1,286 @@
+"""The GRPO/PODS policy loss and the log-probs it needs.
+
+- :func:`selected_token_logprobs`: ``log p(token)`` from logits, chunk by chunk, never holding a full
+  ``[B, L, V]`` log-softmax (with a 151k vocabulary that tensor would dominate memory).
+- :func:`completion_logprobs`: log-probs of completion tokens under a causal LM (prompt + completion in
+  one forward, positions from the attention mask, only the logits that are needed).
+- :func:`policy_loss`: the clipped surrogate, an optional k3 KL penalty and the token aggregation modes,
+  written so that summing the losses of micro-batches gives exactly the loss of the whole batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "LOSS_TYPES",
+    "LossOutput",
+    "completion_logprobs",
+    "policy_loss",
+    "selected_token_logprobs",
+]
+
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+
+DEFAULT_CHUNK_SIZE = 256  # tokens per chunk: 256 x 151k vocab x 4 bytes = 155 MB of float32 scratch
+
+
+def _chunks(batch: int, length: int, chunk_size: int):
+    """Yield (row slice, column slice) blocks of about ``chunk_size`` tokens covering a [batch, length] grid."""
+    rows_per_chunk = max(1, chunk_size // max(length, 1))
+    cols_per_chunk = length if rows_per_chunk > 1 else chunk_size
+    for r in range(0, batch, rows_per_chunk):
+        for c in range(0, length, max(cols_per_chunk, 1)):
+            yield slice(r, r + rows_per_chunk), slice(c, c + cols_per_chunk)
+
+
+class _SelectedLogProbs(torch.autograd.Function):
+    """log_softmax(logits / T).gather(token) with a chunked forward and a chunked, recomputing backward.
+
+    Autograd would save a float32 copy of every chunk for the backward pass (as much memory as a full
+    log-softmax); here only the logits (already alive) and the [B, L] log-sum-exp are kept.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, token_ids: Tensor, temperature: float, chunk_size: int) -> Tensor:
+        batch, length, _ = logits.shape
+        out = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for rows, cols in _chunks(batch, length, chunk_size):
+            scaled = logits[rows, cols].float()
+            scaled = scaled / temperature if temperature != 1.0 else scaled
+            lse[rows, cols] = torch.logsumexp(scaled, dim=-1)
+            picked = scaled.gather(-1, token_ids[rows, cols].unsqueeze(-1)).squeeze(-1)
+            out[rows, cols] = picked - lse[rows, cols]
+        ctx.save_for_backward(logits, token_ids, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        logits, token_ids, lse = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad_logits = torch.empty_like(logits)
+        batch, length, _ = logits.shape
+        for rows, cols in _chunks(batch, length, ctx.chunk_size):
+            scaled = logits[rows, cols].float()
+            scaled = scaled / temperature if temperature != 1.0 else scaled
+            g = grad_out[rows, cols].float().unsqueeze(-1)
+            # d/dx [x_t - logsumexp(x)] = onehot(t) - softmax(x); chain rule through x = logits / T.
+            grad = torch.exp(scaled - lse[rows, cols].unsqueeze(-1)).mul_(-g)
+            grad.scatter_add_(-1, token_ids[rows, cols].unsqueeze(-1), g)
+            if temperature != 1.0:
+                grad.div_(temperature)
+            grad_logits[rows, cols] = grad.to(grad_logits.dtype)
+        return grad_logits, None, None, None
+
+
+def selected_token_logprobs(
+    logits: Tensor, token_ids: Tensor, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> Tensor:
+    """``log softmax(logits / temperature)`` at ``token_ids``: ``[B, L, V], [B, L] -> [B, L]`` in float32.
+
+    Computed in chunks of about ``chunk_size`` tokens (gather the chosen logit, subtract the log-sum-exp),
+    so neither the forward nor the backward pass materialises a full ``[B, L, V]`` log-softmax.
+    """
+    if logits.ndim != 3 or token_ids.shape != logits.shape[:2]:
+        raise ValueError(
+            f"logits must be [B, L, V] and token_ids [B, L]; got {tuple(logits.shape)} and "
+            f"{tuple(token_ids.shape)}."
+        )
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating-point tensor, got {logits.dtype}.")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}.")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    return _SelectedLogProbs.apply(logits, token_ids.long(), float(temperature), int(chunk_size))
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the (peft-unwrapped) model's forward takes ``logits_to_keep``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    micro_batch_size: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tensor:
+    """Log-probs ``[B, Lc]`` (float32) of ``completion_ids`` under ``model`` given left-padded prompts.
+
+    Positions come from the attention mask, so a left-padded row scores exactly as it would unpadded.
+    Gradients flow unless the caller wraps this in ``torch.no_grad()`` (as it should for old/ref
+    log-probs). Values at masked completion positions are finite but meaningless.
+    """
+    if prompt_ids.ndim != 2 or prompt_mask.shape != prompt_ids.shape:
+        raise ValueError(
+            f"prompt_ids and prompt_mask must both be [B, Lp]; got {tuple(prompt_ids.shape)} and "
+            f"{tuple(prompt_mask.shape)}."
+        )
+    if completion_ids.ndim != 2 or completion_mask.shape != completion_ids.shape:
+        raise ValueError(
+            f"completion_ids and completion_mask must both be [B, Lc]; got {tuple(completion_ids.shape)} "
+            f"and {tuple(completion_mask.shape)}."
+        )
+    if completion_ids.shape[0] != prompt_ids.shape[0]:
+        raise ValueError(
+            f"prompt and completion batch sizes differ: {prompt_ids.shape[0]} vs {completion_ids.shape[0]}."
+        )
+    if micro_batch_size is not None and micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}.")
+
+    batch, num_completion = completion_ids.shape
+    if batch == 0 or num_completion == 0:
+        return torch.zeros(batch, num_completion, dtype=torch.float32, device=completion_ids.device)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
+    keep_kwargs = {"logits_to_keep": num_completion + 1} if _accepts_logits_to_keep(model) else {}
+
+    step = micro_batch_size or batch
+    parts = []
+    for start in range(0, batch, step):
+        ids, mask = input_ids[start : start + step], attention_mask[start : start + step]
+        # Drop the leading columns that are padding in every row of this micro-batch (pure speed-up).
+        first = int(mask.any(dim=0).long().argmax())
+        first = min(first, prompt_ids.shape[1])
+        ids, mask = ids[:, first:], mask[:, first:]
+        position_ids = (mask.cumsum(dim=1) - 1).clamp_min(0)
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **keep_kwargs
+        ).logits
+        # The logit at position t predicts token t + 1: the last Lc + 1 logits minus the final one.
+        logits = logits[:, -(num_completion + 1) : -1]
+        targets = completion_ids[start : start + step]
+        parts.append(selected_token_logprobs(logits, targets, temperature, chunk_size))
+    return torch.cat(parts, dim=0)
+
+
+@dataclass
+class LossOutput:
+    """A micro-batch's loss (its share of the batch loss) and detached per-token statistics of it."""
+
+    loss: Tensor  # scalar, differentiable
+    kl: Tensor  # mean k3 KL to the reference over masked tokens (0 without a reference)
+    clip_fraction: Tensor  # fraction of masked tokens where the clip bound is active (zero gradient)
+    ratio_mean: Tensor  # mean importance ratio over masked tokens
+    num_tokens: Tensor  # masked tokens in this micro-batch (weights for averaging the statistics above)
+
+
+def _check_same_shape(name: str, tensor: Tensor | None, shape: torch.Size) -> None:
+    if tensor is not None and tensor.shape != shape:
+        raise ValueError(f"{name} must have the shape of logprobs {tuple(shape)}, got {tuple(tensor.shape)}.")
+
+
+def policy_loss(
+    logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    loss_type: str = "grpo",
+    total_sequences: int | Tensor,
+    total_tokens: int | Tensor,
+    max_completion_length: int,
+) -> LossOutput:
+    """Clipped GRPO surrogate (+ ``beta`` x k3 KL) of one micro-batch, scaled as its share of the batch loss.
+
+    ``logprobs``, ``mask`` and the optional old/ref log-probs are ``[B, L]``; ``advantages`` is ``[B]``
+    (one per sequence) or ``[B, L]``. ``total_sequences`` and ``total_tokens`` (masked tokens) count the
+    whole optimisation batch, so that the micro-batch losses add up to the batch loss:
+
+    - ``"grpo"``: sum over sequences of the sequence's token mean, / ``total_sequences``;
+    - ``"bnpo"``, ``"dapo"``: token sum / ``total_tokens`` (identical here: the caller sets the scope of
+      ``total_tokens``, e.g. all processes for DAPO);
+    - ``"dr_grpo"``: token sum / (``total_sequences`` x ``max_completion_length``).
+
+    ``old_logprobs=None`` means on-policy: ratio 1 with gradients flowing through ``logprobs``.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}.")
+    if logprobs.ndim != 2:
+        raise ValueError(f"logprobs must be [B, L], got shape {tuple(logprobs.shape)}.")
+    _check_same_shape("mask", mask, logprobs.shape)
+    _check_same_shape("old_logprobs", old_logprobs, logprobs.shape)
+    _check_same_shape("ref_logprobs", ref_logprobs, logprobs.shape)
+    if advantages.ndim == 1:
+        advantages = advantages.unsqueeze(1)
+    if (
+        advantages.ndim != 2
+        or advantages.shape[0] != logprobs.shape[0]
+        or advantages.shape[1]
+        not in (
+            1,
+            logprobs.shape[1],
+        )
+    ):
+        raise ValueError(
+            f"advantages must be [B] or [B, L] with B, L = {tuple(logprobs.shape)}, got {tuple(advantages.shape)}."
+        )
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    if epsilon < 0 or epsilon_high < 0:
+        raise ValueError(f"epsilon and epsilon_high must be >= 0, got {epsilon} and {epsilon_high}.")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}.")
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError(f"beta = {beta} > 0 needs ref_logprobs (log-probs under the reference model).")
+    if total_sequences <= 0:
+        raise ValueError(f"total_sequences must be > 0, got {total_sequences}.")
+    if loss_type in ("bnpo", "dapo") and total_tokens <= 0:
+        raise ValueError(f"total_tokens must be > 0 for loss_type {loss_type!r}, got {total_tokens}.")
+    if loss_type == "dr_grpo" and max_completion_length <= 0:
+        raise ValueError(f"max_completion_length must be > 0 for dr_grpo, got {max_completion_length}.")
+
+    mask = mask.bool()
+    # Zero the masked positions first, so that -inf/NaN there cannot leak into values or gradients.
+    logprobs = logprobs.float().masked_fill(~mask, 0.0)
+    advantages = advantages.to(logprobs.dtype)
+    old = logprobs.detach() if old_logprobs is None else old_logprobs.float().masked_fill(~mask, 0.0)
+
+    ratio = torch.exp(logprobs - old)
+    clipped_ratio = ratio.clamp(1.0 - epsilon, 1.0 + epsilon_high)
+    unclipped_term, clipped_term = ratio * advantages, clipped_ratio * advantages
+    per_token = -torch.minimum(unclipped_term, clipped_term)
+    if ref_logprobs is not None:
+        delta = ref_logprobs.float().masked_fill(~mask, 0.0) - logprobs
+        k3 = torch.exp(delta) - delta - 1.0
+        if beta > 0:
+            per_token = per_token + beta * k3
+    per_token = per_token * mask
+
+    if loss_type == "grpo":
+        token_counts = mask.sum(dim=1).clamp_min(1)
+        loss = (per_token.sum(dim=1) / token_counts).sum() / total_sequences
+    elif loss_type in ("bnpo", "dapo"):
+        loss = per_token.sum() / total_tokens
+    else:
+        loss = per_token.sum() / (total_sequences * max_completion_length)
+
+    with torch.no_grad():
+        num_tokens = mask.sum()
+        denom = num_tokens.clamp_min(1)
+        clip_active = (clipped_term < unclipped_term) & mask  # min picked the clipped value: no gradient
+        kl = (k3 * mask).sum() / denom if ref_logprobs is not None else logprobs.new_zeros(())
+        return LossOutput(
+            loss=loss,
+            kl=kl.detach(),
+            clip_fraction=clip_active.sum() / denom,
+            ratio_mean=(ratio * mask).sum() / denom,
+            num_tokens=num_tokens,
+        )
