@@ -1,0 +1,308 @@
+"""PODS for TRL users: ``PODSConfig`` / ``PODSTrainer``, drop-in replacements for TRL's GRPO classes.
+
+``PODSTrainer`` wraps, and does not copy, ``GRPOTrainer._generate_and_score_completions``: TRL generates
+n completions per prompt (``num_generations``) and scores them as usual; then, per prompt, we select m of
+the n (``num_generations_kept``) with a rule of :mod:`pods.selection`, recompute the group-relative
+advantages over the kept rows with :mod:`pods.advantages`, keep only those rows of every per-row entry
+TRL returned, and recount the loss tokens. TRL's loss, optimizer step, logging and evaluation run
+unchanged (evaluation is not down-sampled). Tested against TRL 1.16 (``pip install 'pods[trl]'``).
+
+    from pods.integrations.trl import PODSConfig, PODSTrainer
+
+    args = PODSConfig(output_dir="out", num_generations=64, num_generations_kept=16,
+                      per_device_train_batch_size=64, gradient_accumulation_steps=4)
+    PODSTrainer(model="Qwen/Qwen2.5-3B-Instruct", reward_funcs=[...], args=args,
+                train_dataset=dataset).train()
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+try:
+    import trl
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("pods.integrations.trl needs TRL; install it with: pip install 'pods[trl]'") from error
+
+from pods.advantages import group_advantages, zero_variance_groups
+from pods.selection import available_rules, select
+
+__all__ = [
+    "TESTED_TRL_VERSION",
+    "PODSConfig",
+    "PODSTrainer",
+    "advantage_scale",
+    "check_batch_arithmetic",
+    "kept_row_indices",
+    "selection_metrics",
+    "summed_rewards",
+    "take_rows",
+]
+
+TESTED_TRL_VERSION = "1.16"
+if not trl.__version__.startswith(TESTED_TRL_VERSION + "."):
+    warnings.warn(
+        f"pods.integrations.trl is tested with TRL {TESTED_TRL_VERSION}.x, but TRL {trl.__version__} is "
+        f"installed; it wraps TRL internals that change between releases. "
+        f"Install the tested version with: pip install 'pods[trl]'",
+        stacklevel=2,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure helpers (no trainer needed; unit-testable)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_batch_arithmetic(
+    per_device_train_batch_size: int,
+    steps_per_generation: int,
+    num_generations: int,
+    num_generations_kept: int,
+    num_processes: int = 1,
+) -> int:
+    """Completions each process keeps per generation; a ``ValueError`` explaining the fix in n and m if
+    a prompt's group would straddle processes or the kept rows would not split evenly into TRL's chunks."""
+    n, m, steps = num_generations, num_generations_kept, steps_per_generation
+    generated = per_device_train_batch_size * steps
+    if generated % n:
+        raise ValueError(
+            f"PODS selects m={m} of the n={n} completions of each prompt, so all n must be generated on the "
+            f"same process. Each process generates per_device_train_batch_size x steps_per_generation = "
+            f"{per_device_train_batch_size} x {steps} = {generated} completions per generation, which is not a "
+            f"multiple of n={n} (num_generations), so TRL would spread a prompt's group over {num_processes} "
+            f"processes. Fix: make per_device_train_batch_size x steps_per_generation a multiple of n, e.g. "
+            f"per_device_train_batch_size={n}."
+        )
+    prompts = generated // n
+    kept = prompts * m
+    if kept % steps:
+        raise ValueError(
+            f"After selection each process keeps (per_device_train_batch_size x steps_per_generation / n) x m = "
+            f"({per_device_train_batch_size} x {steps} / {n}) x {m} = {prompts} prompts x {m} = {kept} "
+            f"completions, and TRL splits them into steps_per_generation={steps} equal micro-batches (one per "
+            f"gradient-accumulation step). {kept} is not a multiple of {steps}, so TRL would silently drop "
+            f"{kept % steps} kept completions at every generation. Fix: choose the prompts per process "
+            f"({prompts}) so that prompts x m is a multiple of {steps}, e.g. per_device_train_batch_size={n} "
+            f"(one prompt per micro-batch; each micro-batch then trains on m={m} completions)."
+        )
+    return kept
+
+
+def advantage_scale(scale_rewards: str | bool) -> str:
+    """Map TRL's ``scale_rewards`` ("group"/"batch"/"none", or the older booleans) to our ``scale``."""
+    scale = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)  # type: ignore[arg-type]
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(
+            f"scale_rewards must be 'group', 'batch', 'none' (or True/False), got {scale_rewards!r}."
+        )
+    return scale
+
+
+def summed_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One scalar reward per completion: the weighted sum over reward functions, as TRL computes it
+    (a ``None`` from one function counts as 0). Every completion needs at least one reward."""
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    if bool(unscorable.any()):
+        raise ValueError(
+            f"every reward function returned None for {int(unscorable.sum())} completion(s) (first at row "
+            f"{int(unscorable.nonzero()[0])}). PODS ranks completions by their summed reward, so each one needs "
+            "a number: return 0.0 (or a penalty) from a reward function instead of None."
+        )
+    return (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+
+
+def kept_row_indices(kept: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """Flat row indices ``[G * m]`` of the kept completions, from per-group positions ``kept[G, m]``
+    (group g occupies rows g*n .. g*n + n - 1, as TRL lays them out)."""
+    offsets = torch.arange(kept.shape[0], device=kept.device).unsqueeze(1) * num_generations
+    return (offsets + kept).reshape(-1)
+
+
+def take_rows(batch: dict[str, Any], rows: torch.Tensor, num_rows: int) -> dict[str, Any]:
+    """Keep ``rows`` of every per-row entry of TRL's batch dict (tensors and lists with ``num_rows``
+    entries; per-image tensors are split per row with TRL's own helpers first). Scalars and ``None`` pass
+    through; anything else raises, so that a new TRL field is never silently misaligned."""
+    batch = split_pixel_values_by_grid(batch)
+    index = rows.tolist()
+    kept: dict[str, Any] = {}
+    for key, value in batch.items():
+        if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
+            kept[key] = value
+        elif isinstance(value, torch.Tensor) and value.shape[0] == num_rows:
+            kept[key] = value.index_select(0, rows.to(value.device))
+        elif isinstance(value, list | tuple) and len(value) == num_rows:
+            kept[key] = [value[i] for i in index]
+        else:
+            size = tuple(value.shape) if isinstance(value, torch.Tensor) else len(value)
+            raise ValueError(
+                f"cannot down-sample TRL's batch entry {key!r} (size {size}): it is not one entry per completion "
+                f"({num_rows}). This TRL version or feature is not supported by PODSTrainer; please report it."
+            )
+    return unsplit_pixel_values_by_grid(kept)
+
+
+def selection_metrics(rewards: torch.Tensor, kept_rewards: torch.Tensor) -> dict[str, float]:
+    """Reward mean/std and the fraction of zero-variance groups, over all n and over the kept m."""
+    metrics = {}
+    for name, values in (("all", rewards), ("kept", kept_rewards)):
+        values = values.to(torch.float64)
+        metrics[f"pods/reward_mean_{name}"] = values.mean().item()
+        metrics[f"pods/reward_std_{name}"] = values.std().item() if values.numel() > 1 else 0.0
+        metrics[f"pods/frac_zero_std_{name}"] = zero_variance_groups(values).double().mean().item()
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config and trainer
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PODSConfig(GRPOConfig):
+    """TRL's ``GRPOConfig`` plus PODS's two knobs. ``num_generations`` keeps TRL's meaning (n completions
+    generated per prompt); ``num_generations_kept`` (m) of them are trained on, chosen by ``selection_rule``."""
+
+    num_generations_kept: int | None = field(
+        default=None,
+        metadata={
+            "help": "m: completions kept per prompt for the policy update, out of num_generations (n). "
+            "None keeps all n (plain GRPO)."
+        },
+    )
+    selection_rule: str = field(
+        default="max_variance",
+        metadata={
+            "help": "Rule choosing the m kept completions of each prompt: any name registered in "
+            "pods.selection (max_variance, max_reward, random, all, or your own)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        n, m = self.num_generations, self.num_generations_kept
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int)):
+            raise ValueError(
+                f"num_generations_kept (m) must be an int or None, got {type(m).__name__} {m!r}."
+            )
+        if m is not None and not 2 <= m <= n:
+            raise ValueError(
+                f"num_generations_kept (m) must be between 2 and num_generations (n={n}), got {m}: advantages "
+                "are relative to the other kept completions of the same prompt, so m=1 gives no signal."
+            )
+        if self.selection_rule not in available_rules():
+            raise ValueError(
+                f"unknown selection_rule {self.selection_rule!r}; known rules: {', '.join(available_rules())}. "
+                "Register your own with pods.selection.register_rule(name, fn) before creating the config."
+            )
+        if self.selection_rule == "all" and self.kept_per_prompt != n:
+            raise ValueError(
+                f"selection_rule='all' keeps every completion, so num_generations_kept must be None or "
+                f"n={n}; got m={m}."
+            )
+        if self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                f"PODS ranks completions by their weighted summed reward, so it needs "
+                f"multi_objective_aggregation='sum_then_normalize' (TRL's default); got "
+                f"{self.multi_objective_aggregation!r}."
+            )
+        advantage_scale(self.scale_rewards)
+        check_batch_arithmetic(
+            self.per_device_train_batch_size,
+            self.steps_per_generation,
+            n,
+            self.kept_per_prompt,
+            self.world_size,
+        )
+
+    @property
+    def kept_per_prompt(self) -> int:
+        """m, resolved: ``num_generations_kept``, or ``num_generations`` when it is None."""
+        return self.num_generations if self.num_generations_kept is None else self.num_generations_kept
+
+
+class PODSTrainer(GRPOTrainer):
+    """TRL's ``GRPOTrainer`` that trains on m of every n completions per prompt (PODS down-sampling).
+
+    Same constructor as ``GRPOTrainer``; ``args`` must be a :class:`PODSConfig`. Logs ``pods/*`` metrics
+    beside TRL's own. Evaluation is TRL's, unchanged.
+    """
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: PODSConfig | None = None, **kwargs: Any):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = PODSConfig(f"{str(name).rstrip('/').split('/')[-1]}-PODS")
+        if not isinstance(args, PODSConfig):
+            raise ValueError(
+                f"PODSTrainer needs args=PODSConfig(...), got {type(args).__name__}. PODSConfig takes every "
+                "GRPOConfig field plus num_generations_kept and selection_rule."
+            )
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        self.num_generations_kept = args.kept_per_prompt
+        check_batch_arithmetic(
+            args.per_device_train_batch_size,
+            args.steps_per_generation,
+            self.num_generations,
+            self.num_generations_kept,
+            self.accelerator.num_processes,
+        )
+        # Same seed on every process: each one selects over the gathered batch and must agree with the others.
+        self._pods_generator = torch.Generator().manual_seed(args.seed)
+        self._pods_rewards_per_func: torch.Tensor | None = None
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[override]
+        """TRL's reward computation, unchanged; keeps its gathered ``[all rows, functions]`` result for selection."""
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._pods_rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:  # type: ignore[override]
+        """TRL's generation and scoring, then (in training) keep m of each group of n and redo the advantages."""
+        self._pods_rewards_per_func = None
+        batch = super()._generate_and_score_completions(inputs)
+        rewards_per_func, self._pods_rewards_per_func = self._pods_rewards_per_func, None
+        if not self.model.training:
+            return batch
+        if rewards_per_func is None:
+            raise RuntimeError(
+                "TRL's _generate_and_score_completions did not call _calculate_rewards; this TRL version is not "
+                f"supported by PODSTrainer (tested with {TESTED_TRL_VERSION}.x)."
+            )
+
+        n, m = self.num_generations, self.num_generations_kept
+        rewards = summed_rewards(rewards_per_func, self.reward_weights).view(-1, n)  # [all groups, n]
+        local_rows = batch["prompt_ids"].shape[0]
+        groups = local_rows // n
+        if local_rows % n or rewards.shape[0] != groups * self.accelerator.num_processes:
+            raise RuntimeError(
+                f"each process holds {local_rows} completions, not whole groups of n={n} matching the "
+                f"{rewards.shape[0]} groups gathered: groups are not process-local (see check_batch_arithmetic)."
+            )
+
+        kept = select(rewards, m, self.args.selection_rule, generator=self._pods_generator)  # [all groups, m]
+        kept_rewards = rewards.gather(1, kept)
+        advantages = group_advantages(
+            kept_rewards, scale=advantage_scale(self.scale_rewards)
+        )  # [all groups, m]
+
+        mine = slice(self.accelerator.process_index * groups, (self.accelerator.process_index + 1) * groups)
+        trl_advantages = batch["advantages"]
+        batch = take_rows(batch, kept_row_indices(kept[mine], n), local_rows)
+        if m < n:
+            batch["advantages"] = advantages[mine].reshape(-1).to(trl_advantages)
+        # With m == n every row is kept and TRL's advantages are already those of the kept set (same formula;
+        # TRL computes them in float32 where we use float64): keep TRL's bits so that m == n is exactly GRPO.
+        loss_mask = batch["completion_mask"]
+        if batch.get("tool_mask") is not None:
+            loss_mask = loss_mask * batch["tool_mask"]
+        batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+
+        for name, value in selection_metrics(rewards, kept_rewards).items():
+            self._metrics["train"][name].append(value)
+        return batch
