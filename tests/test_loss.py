@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -112,10 +113,8 @@ def test_completion_logprobs_gradients_flow_and_work_with_lora(tiny):
     _, _, batch = _padded_batch(tokenizer)
     with torch.no_grad():
         expected = completion_logprobs(base, *batch)
-    peft_model = get_peft_model(
-        type(base)(base.config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    )
-    peft_model.get_base_model().load_state_dict(base.state_dict(), strict=False)
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    peft_model = get_peft_model(copy.deepcopy(base), config)
     logprobs = completion_logprobs(peft_model, *batch)
     # A fresh LoRA adapter (B = 0) leaves the function unchanged, and gradients reach the adapter.
     torch.testing.assert_close(logprobs.detach(), expected, rtol=1e-5, atol=1e-6)
