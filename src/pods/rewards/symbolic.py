@@ -59,7 +59,9 @@ def verify_with_math_verify(text: str, gold: str, timeout: float = MATH_VERIFY_T
     candidates = [text[-TAIL_CHARS:]]
     block = answer_block(text)
     if block:
-        candidates.insert(0, block[-BLOCK_CHARS:])
+        block = block[-BLOCK_CHARS:]
+        # math-verify finds LaTeX inside $...$ or \boxed{}; a bare block gets the dollars it needs.
+        candidates.insert(0, block if "$" in block or "\\boxed" in block else f"${block}$")
     if _worker is None:
         _worker = WorkerProcess("pods.rewards._math_worker")
     try:
