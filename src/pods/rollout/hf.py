@@ -1,0 +1,206 @@
+"""A rollout engine on Hugging Face ``generate``: left-padded, chunked sampling of n completions per prompt."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+
+from pods.rollout.base import Rollouts, SamplingParams
+
+__all__ = ["HFGenerateEngine"]
+
+
+class _RecordStops(StoppingCriteria):
+    """HF's stop-string criterion on the completion only (a prompt ending in "\\n" must not let a first
+    "\\n" match "\\n\\n"), remembering how many new tokens each row had when it first matched."""
+
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...], prompt_length: int, rows: int) -> None:
+        self.inner = StopStringCriteria(tokenizer=tokenizer, stop_strings=list(stop_strings))
+        self.prompt_length = prompt_length
+        self.stop_length = torch.full((rows,), -1, dtype=torch.long)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs) -> torch.Tensor:
+        done = self.inner(input_ids[:, self.prompt_length :], scores)  # completions only, as vLLM does
+        first = done.cpu() & (self.stop_length < 0)
+        self.stop_length[first] = input_ids.shape[1] - self.prompt_length
+        return done
+
+
+class HFGenerateEngine:
+    """Sample with ``model.generate`` on the very model being trained (so ``sync_weights`` is a no-op).
+
+    Prompts are tokenized as given (rendered chat strings; no special tokens added unless
+    ``add_special_tokens``), left-padded, repeated n times and generated in chunks of
+    ``generation_batch_size`` completions, so a large n fits in memory. Randomness comes from torch's
+    global RNG: the same seed gives the same rollouts.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        generation_batch_size: int = 64,
+        max_prompt_length: int | None = None,
+        add_special_tokens: bool = False,
+    ) -> None:
+        if generation_batch_size < 1:
+            raise ValueError(f"generation_batch_size must be >= 1, got {generation_batch_size}.")
+        if max_prompt_length is not None and max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 or None, got {max_prompt_length}.")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.generation_batch_size = generation_batch_size
+        self.max_prompt_length = max_prompt_length
+        self.add_special_tokens = add_special_tokens
+        self.eos_token_ids = self._eos_token_ids()
+        self.pad_token_id = self._pad_token_id()
+
+    def _eos_token_ids(self) -> list[int]:
+        """The tokenizer's EOS plus every EOS id of the model's generation config."""
+        ids = [self.tokenizer.eos_token_id]
+        config_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids += config_eos if isinstance(config_eos, list | tuple) else [config_eos]
+        return sorted({int(i) for i in ids if i is not None})
+
+    def _pad_token_id(self) -> int:
+        candidates = [
+            self.tokenizer.pad_token_id,
+            getattr(getattr(self.model, "generation_config", None), "pad_token_id", None),
+            *self.eos_token_ids,
+        ]
+        for candidate in candidates:
+            if candidate is not None:
+                return int(candidate)
+        raise ValueError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token first.")
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """No-op: generation runs on the model object itself, so it always sees the current weights."""
+
+    def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
+        """``num_generations`` completions of each prompt, prompt-major (row ``p * n + i``)."""
+        if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError(
+                "prompts must be a non-empty list of strings (already rendered with the chat template)."
+            )
+        if num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
+        prompt_ids, prompt_mask = self._tokenize(prompts)
+        prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
+
+        device = next(self.model.parameters()).device
+        config = self._generation_config(sampling)
+        was_training = self.model.training
+        self.model.eval()
+        chunks = []
+        try:
+            with torch.no_grad():
+                for start in range(0, prompt_ids.shape[0], self.generation_batch_size):
+                    end = start + self.generation_batch_size
+                    chunks.append(
+                        self._generate_chunk(
+                            prompt_ids[start:end], prompt_mask[start:end], config, sampling, device
+                        )
+                    )
+        finally:
+            self.model.train(was_training)
+
+        width = max(ids.shape[1] for ids, _, _ in chunks)
+        completion_ids = torch.cat([_pad_right(ids, width, self.pad_token_id) for ids, _, _ in chunks])
+        lengths = torch.cat([length for _, length, _ in chunks])
+        truncated = torch.cat([trunc for _, _, trunc in chunks])
+        width = int(lengths.max())
+        completion_ids = completion_ids[:, :width]
+        completion_mask = (torch.arange(width) < lengths[:, None]).long()
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.pad_token_id)
+        texts = self.tokenizer.batch_decode(
+            [row[:n].tolist() for row, n in zip(completion_ids, lengths.tolist(), strict=True)],
+            skip_special_tokens=True,
+        )
+        return Rollouts(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            texts=[_cut_after_stop(text, sampling.stop_strings) for text in texts],
+            truncated=truncated,
+            num_prompts=len(prompts),
+            num_generations=num_generations,
+        )
+
+    def _tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-pad the tokenized prompts ourselves (whatever the tokenizer's padding side); check lengths."""
+        encoded = self.tokenizer(prompts, add_special_tokens=self.add_special_tokens)["input_ids"]
+        longest = max(len(ids) for ids in encoded)
+        if self.max_prompt_length is not None and longest > self.max_prompt_length:
+            index = next(i for i, ids in enumerate(encoded) if len(ids) == longest)
+            raise ValueError(
+                f"prompt {index} has {longest} tokens, more than max_prompt_length={self.max_prompt_length}; "
+                "drop or shorten long prompts before generation, or raise max_prompt_length."
+            )
+        if min(len(ids) for ids in encoded) == 0:
+            raise ValueError("an empty prompt tokenizes to no tokens; every prompt needs at least one token.")
+        ids = torch.full((len(encoded), longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(encoded), longest), dtype=torch.long)
+        for row, tokens in enumerate(encoded):
+            if tokens:
+                ids[row, -len(tokens) :] = torch.tensor(tokens)
+                mask[row, -len(tokens) :] = 1
+        return ids, mask
+
+    def _generation_config(self, sampling: SamplingParams) -> GenerationConfig:
+        """A config that samples from exactly softmax(logits / T) (+ top-p / top-k): the model's own
+        defaults (repetition penalty, min-p, ...) would bias the rollouts away from the policy."""
+        options = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "do_sample": not sampling.greedy,
+            "num_beams": 1,
+            "repetition_penalty": 1.0,
+            "no_repeat_ngram_size": 0,
+            "typical_p": 1.0,
+            "epsilon_cutoff": 0.0,
+            "eta_cutoff": 0.0,
+            "eos_token_id": self.eos_token_ids or None,
+            "pad_token_id": self.pad_token_id,
+            "use_cache": True,
+        }
+        if not sampling.greedy:
+            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        if getattr(getattr(self.model, "generation_config", None), "min_p", None) is not None:
+            options["min_p"] = 0.0
+        return GenerationConfig(**options)
+
+    def _generate_chunk(self, ids, mask, config, sampling, device):
+        """Generate for one chunk; return (new tokens [rows, W], lengths [rows], truncated [rows])."""
+        first = int(mask.any(dim=0).long().argmax())  # drop columns that are padding in every row
+        ids, mask = ids[:, first:], mask[:, first:]
+        rows, prompt_length = ids.shape
+        stops = None
+        if sampling.stop_strings:
+            stops = _RecordStops(self.tokenizer, sampling.stop_strings, prompt_length, rows)
+        output = self.model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            generation_config=config,
+            stopping_criteria=StoppingCriteriaList([stops]) if stops else None,
+        )
+        new_tokens = output[:, prompt_length:].cpu()
+        width = new_tokens.shape[1]
+        never = torch.full((rows,), width + 1, dtype=torch.long)
+        is_eos = torch.isin(new_tokens, torch.tensor(self.eos_token_ids, dtype=torch.long))
+        eos_length = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1) + 1, never)
+        stop_length = never if stops is None else torch.where(stops.stop_length > 0, stops.stop_length, never)
+        length = torch.minimum(eos_length, stop_length)
+        truncated = length > width
+        return new_tokens, length.clamp_max(width), truncated
+
+
+def _pad_right(ids: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
+    return torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=pad_id)
+
+
+def _cut_after_stop(text: str, stop_strings: tuple[str, ...]) -> str:
+    """Cut ``text`` right after the earliest-ending stop string it contains (the last token may overhang)."""
+    ends = [text.find(s) + len(s) for s in stop_strings if s in text]
+    return text[: min(ends)] if ends else text
