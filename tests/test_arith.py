@@ -110,7 +110,9 @@ def test_load_arith_columns_and_errors() -> None:
     with pytest.raises(ValueError, match="split"):
         load_arith("validation")
     with pytest.raises(ValueError, match="prompt_style"):
-        load_arith("test", prompt_style="chat")
+        load_arith("test", prompt_style="fancy")
+    with pytest.raises(ValueError, match="generated"):
+        load_arith("test", source="data/arith.jsonl")
     with pytest.raises(ValueError, match="unknown arguments"):
         load_arith("test", bogus=1)
     with pytest.raises(ValueError, match="tokenizer"):
@@ -124,3 +126,17 @@ def test_gold_solutions_score_one_with_accuracy_reward() -> None:
     assert rewards.accuracy_reward(prompts, solutions, answer=answers) == [1.0] * len(ds)
     shifted = [str(int(a) + 1) for a in answers]
     assert rewards.accuracy_reward(prompts, solutions, answer=shifted) == [0.0] * len(ds)
+
+
+def test_load_arith_other_prompt_styles_and_length_filter() -> None:
+    from pods.embedded import build_tokenizer
+
+    chat = load_arith("test", prompt_style="chat", limit=5)
+    assert chat[0]["prompt"][-1] == {"role": "user", "content": chat[0]["question"]}
+    assert load_arith("test", prompt_style="raw", limit=5)["prompt"] == chat["question"]
+    tokenizer = build_tokenizer()
+    full = load_arith("test", num_problems=300)
+    short = load_arith("test", num_problems=300, tokenizer=tokenizer, max_prompt_tokens=30, limit=40)
+    lengths = [len(tokenizer(p)["input_ids"]) for p in full["prompt"]]
+    expected = [q for q, n in zip(full["question"], lengths, strict=True) if n <= 30][:40]
+    assert short["question"] == expected and 0 < len(expected) < 300

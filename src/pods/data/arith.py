@@ -227,42 +227,65 @@ def load_arith(
     max_prompt_tokens: int | None = None,
     num_problems: int | None = None,
     difficulty: int | None = None,
+    source: str | None = None,
+    system_prompt: str | None = None,
+    template: str | None = None,
     **kwargs: Any,
 ):
     """The task as a ``datasets.Dataset`` with columns question, answer (str), solution (gold, GSM8K form),
-    prompt (plain text, as the base model saw it) and has_gives (whether the misconception step occurs).
+    prompt and has_gives (whether the misconception step occurs).
 
+    ``prompt_style="plain"`` gives the text the shipped base model was trained on; ``"chat"`` and
+    ``"raw"`` build the paper's prompts with :func:`pods.prompts.make_prompt` (for other models).
     ``num_problems`` defaults to 20,000 (train) / 1,000 (test); ``limit`` keeps the first rows after
-    filtering out prompts longer than ``max_prompt_tokens`` (counted with ``tokenizer``).
+    dropping prompts longer than ``max_prompt_tokens`` (counted with ``tokenizer``).
     """
     from datasets import Dataset
 
     if kwargs:
         raise ValueError(
             f"load_arith got unknown arguments {sorted(kwargs)}; valid ones are split, prompt_style, limit, "
-            "seed, tokenizer, max_prompt_tokens, num_problems, difficulty"
+            "seed, tokenizer, max_prompt_tokens, num_problems, difficulty, system_prompt, template"
+        )
+    if source is not None:
+        raise ValueError(
+            f"the arith task is generated, not read from a file or the Hub; drop source={source!r}"
         )
     if split not in DEFAULT_SIZES:
         raise ValueError(f"split must be 'train' or 'test' for the arith task, got {split!r}")
-    if prompt_style != "plain":
+    if prompt_style not in ("plain", "chat", "raw"):
         raise ValueError(
-            f"the arith task only supports prompt_style='plain' (the format its base model was trained on), "
-            f"got {prompt_style!r}"
+            f"prompt_style must be 'plain' (the base model's format), 'chat' or 'raw'; got {prompt_style!r}"
         )
     if max_prompt_tokens is not None and tokenizer is None:
         raise ValueError("max_prompt_tokens needs a tokenizer to count tokens; pass tokenizer=...")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
     spec = spec_for_difficulty(1 if difficulty is None else difficulty)
-    problems = generate_problems(num_problems or DEFAULT_SIZES[split], seed=seed, spec=spec, split=split)
-    rows: dict[str, list] = {"question": [], "answer": [], "solution": [], "prompt": [], "has_gives": []}
-    for problem in problems:
-        prompt = format_prompt(problem.question)
-        if max_prompt_tokens is not None and len(tokenizer(prompt)["input_ids"]) > max_prompt_tokens:
-            continue
-        rows["question"].append(problem.question)
-        rows["answer"].append(str(problem.answer))
-        rows["solution"].append(format_solution(problem))
-        rows["prompt"].append(prompt)
-        rows["has_gives"].append(problem.has_gives)
-        if limit is not None and len(rows["question"]) >= limit:
-            break
-    return Dataset.from_dict(rows)
+    count = num_problems if num_problems is not None else max(DEFAULT_SIZES[split], limit or 0)
+    problems = generate_problems(count, seed=seed, spec=spec, split=split)
+    if prompt_style == "plain" and template is None:
+        prompts: list[Any] = [format_prompt(p.question) for p in problems]
+    else:
+        from pods.prompts import make_prompt
+
+        prompts = [
+            make_prompt(p.question, prompt_style, system_prompt=system_prompt, template=template)
+            for p in problems
+        ]
+    keep = list(range(len(problems)))
+    if max_prompt_tokens is not None:
+        from pods.prompts import render_prompt
+
+        lengths = [len(ids) for ids in tokenizer([render_prompt(p, tokenizer) for p in prompts])["input_ids"]]
+        keep = [i for i in keep if lengths[i] <= max_prompt_tokens]
+    keep = keep[:limit] if limit is not None else keep
+    return Dataset.from_dict(
+        {
+            "question": [problems[i].question for i in keep],
+            "answer": [str(problems[i].answer) for i in keep],
+            "solution": [format_solution(problems[i]) for i in keep],
+            "prompt": [prompts[i] for i in keep],
+            "has_gives": [problems[i].has_gives for i in keep],
+        }
+    )
