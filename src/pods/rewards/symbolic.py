@@ -11,6 +11,7 @@ numeric/textual comparison of :func:`pods.rewards.answers_match`, which needs no
 from __future__ import annotations
 
 import importlib.util
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ TAIL_CHARS = 4_000
 BLOCK_CHARS = 2_000
 
 _worker: WorkerProcess | None = None
+_worker_lock = threading.Lock()
 
 
 def require_math_verify() -> None:
@@ -62,8 +64,9 @@ def verify_with_math_verify(text: str, gold: str, timeout: float = MATH_VERIFY_T
         block = block[-BLOCK_CHARS:]
         # math-verify finds LaTeX inside $...$ or \boxed{}; a bare block gets the dollars it needs.
         candidates.insert(0, block if "$" in block or "\\boxed" in block else f"${block}$")
-    if _worker is None:
-        _worker = WorkerProcess("pods.rewards._math_worker")
+    with _worker_lock:
+        if _worker is None:
+            _worker = WorkerProcess("pods.rewards._math_worker")
     try:
         reply = _worker.call({"gold": str(gold)[-BLOCK_CHARS:], "candidates": candidates}, timeout=timeout)
     except (WorkerTimeout, RuntimeError, ValueError):
