@@ -111,6 +111,23 @@ def test_accuracy_reward_accepts_any_view_and_conversational_completions() -> No
     assert accuracy_reward(None, completions, answer=["18"] * 5) == [1.0, 1.0, 1.0, 0.0, 1.0]
 
 
+def test_rewards_accept_trls_keyword_call() -> None:
+    """TRL 1.16 calls f(prompts=..., completions=..., completion_ids=..., **columns, trainer_state=...)."""
+    columns = {"answer": ["4", "4"], "question": ["2+2?", "2+2?"], "trainer_state": None, "log_extra": print}
+    completions = [
+        [{"role": "assistant", "content": "<think>2+2</think><answer>4</answer>"}],
+        [{"role": "assistant", "content": [{"type": "text", "text": "<answer>5</answer>"}]}],
+    ]
+    prompts = [[{"role": "user", "content": "2+2?"}]] * 2
+    for fn, expected in [
+        (accuracy_reward, [1.0, 0.0]),
+        (format_reward, [0.1, 0.0]),
+        (tag_reward, [0.1, 0.05]),
+    ]:
+        scores = fn(prompts=prompts, completions=completions, completion_ids=[[1, 2], [3]], **columns)
+        assert scores == pytest.approx(expected)
+
+
 def test_accuracy_reward_rejects_a_missing_or_misshaped_answer_column() -> None:
     with pytest.raises(ValueError, match="'answer' column"):
         accuracy_reward(None, ["1"])

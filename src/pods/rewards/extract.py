@@ -48,14 +48,14 @@ def completion_text(completion: Any) -> str:
             return completion
         if isinstance(completion, bytes | bytearray):
             return bytes(completion).decode("utf-8", errors="replace")
-        if isinstance(completion, dict):
-            return completion_text(completion.get("content", ""))
+        if isinstance(completion, dict):  # a message, or a content part {"type": "text", "text": ...}
+            return completion_text(completion.get("content", completion.get("text", "")))
         if isinstance(completion, list | tuple):
             # A conversation: the assistant's messages, in order (usually exactly one).
             parts = [
                 m for m in completion if isinstance(m, dict) and m.get("role", "assistant") == "assistant"
             ]
-            return "\n".join(completion_text(m.get("content", "")) for m in parts)
+            return "\n".join(completion_text(m) for m in parts)
         if completion is None:
             return ""
         return str(completion)
