@@ -122,6 +122,8 @@ def completion_logprobs(
     """Log-probs ``[B, Lc]`` (float32) of ``completion_ids`` under ``model`` given left-padded prompts.
 
     Positions come from the attention mask, so a left-padded row scores exactly as it would unpadded.
+    Inputs may live on the CPU (as :class:`pods.rollout.Rollouts` does): each micro-batch is moved to the
+    model's device, and the result is on that device.
     Gradients flow unless the caller wraps this in ``torch.no_grad()`` (as it should for old/ref
     log-probs). Values at masked completion positions are finite but meaningless.
     """
@@ -149,10 +151,14 @@ def completion_logprobs(
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
     keep_kwargs = {"logits_to_keep": num_completion + 1} if _accepts_logits_to_keep(model) else {}
 
+    device = next(model.parameters()).device
     step = micro_batch_size or batch
     parts = []
     for start in range(0, batch, step):
-        ids, mask = input_ids[start : start + step], attention_mask[start : start + step]
+        ids, mask = (
+            input_ids[start : start + step].to(device),
+            attention_mask[start : start + step].to(device),
+        )
         # Drop the leading columns that are padding in every row of this micro-batch (pure speed-up).
         first = int(mask.any(dim=0).long().argmax())
         first = min(first, prompt_ids.shape[1])
@@ -163,7 +169,7 @@ def completion_logprobs(
         ).logits
         # The logit at position t predicts token t + 1: the last Lc + 1 logits minus the final one.
         logits = logits[:, -(num_completion + 1) : -1]
-        targets = completion_ids[start : start + step]
+        targets = completion_ids[start : start + step].to(device)
         parts.append(selected_token_logprobs(logits, targets, temperature, chunk_size))
     return torch.cat(parts, dim=0)
 
