@@ -1,0 +1,74 @@
+"""Two-process PODS-in-TRL check, run by tests/test_trl.py as:
+``accelerate launch --cpu --num_processes 2 tests/scripts/trl_two_process.py MODEL_DIR OUTPUT_DIR``.
+
+Trains 2 steps and asserts, on every process and step, that each group of n inputs is one prompt (groups
+are process-local), that the processes hold different prompts, and that m of each n rows come back.
+Prints ``PODS-TWO-PROCESS-OK rank=R checks=K`` on success.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from accelerate.utils import gather_object
+from datasets import Dataset
+
+from pods.integrations.trl import PODSConfig, PODSTrainer
+
+
+def token_sum_reward(completion_ids: list[list[int]], **kwargs) -> list[float]:
+    """A reward with spread: the completion's token-id sum modulo 4."""
+    return [float(sum(ids) % 4) for ids in completion_ids]
+
+
+class CheckedPODSTrainer(PODSTrainer):
+    """PODSTrainer that checks the group layout it receives and returns."""
+
+    checks = 0
+
+    def _generate_and_score_completions(self, inputs):
+        n, m = self.num_generations, self.num_generations_kept
+        prompts = [example["prompt"][0]["content"] for example in inputs]
+        groups = [prompts[i : i + n] for i in range(0, len(prompts), n)]
+        assert len(prompts) % n == 0, f"{len(prompts)} local inputs are not whole groups of n={n}"
+        assert all(len(set(group)) == 1 for group in groups), f"a group mixes prompts: {groups}"
+        everyone = gather_object([sorted({group[0] for group in groups})])
+        assert len(everyone) == 2 and not set(everyone[0]) & set(everyone[1]), (
+            f"processes share a group: {everyone}"
+        )
+        batch = super()._generate_and_score_completions(inputs)
+        assert batch["completion_ids"].shape[0] == len(groups) * m, "selection did not keep m rows per group"
+        assert batch["advantages"].shape[0] == len(groups) * m
+        self.checks += 1
+        return batch
+
+
+def main(model_dir: str, output_dir: str) -> None:
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"Question {i}: 3 + {i}"}]} for i in range(32)]
+    )
+    args = PODSConfig(
+        output_dir=output_dir,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        max_completion_length=8,
+        num_generations=4,
+        num_generations_kept=2,
+        per_device_train_batch_size=8,
+        max_steps=2,
+        logging_steps=1,
+        seed=0,
+    )
+    trainer = CheckedPODSTrainer(
+        model=model_dir, reward_funcs=token_sum_reward, args=args, train_dataset=dataset
+    )
+    assert trainer.accelerator.num_processes == 2, "run me with accelerate launch --num_processes 2"
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.checks == 2, (trainer.state.global_step, trainer.checks)
+    assert any("pods/reward_mean_kept" in log for log in trainer.state.log_history)
+    print(f"PODS-TWO-PROCESS-OK rank={trainer.accelerator.process_index} checks={trainer.checks}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,323 @@
+"""PODS inside TRL's GRPOTrainer, on a tiny random Llama on CPU: selection, equality with GRPO at m = n,
+the batch-arithmetic errors, two processes, and the GSM8K example's configuration."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from pods.advantages import group_advantages
+from pods.integrations.trl import (
+    PODSConfig,
+    PODSTrainer,
+    advantage_scale,
+    check_batch_arithmetic,
+    kept_row_indices,
+    summed_rewards,
+    take_rows,
+)
+from pods.selection import register_rule, select
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def token_sum_reward(completion_ids: list[list[int]], **kwargs) -> list[float]:
+    """A deterministic reward with spread inside each group: the token-id sum modulo 4."""
+    return [float(sum(ids) % 4) for ids in completion_ids]
+
+
+def lowest_rewards(rewards: torch.Tensor, m: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A user rule: the m lowest rewards of each group."""
+    return rewards.argsort(dim=1, stable=True)[:, :m]
+
+
+register_rule("test_lowest", lowest_rewards, overwrite=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one thread; on 2 shared cores, 2 threads are much slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> Dataset:
+    return Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"Question {i}: 3 + {i}"}]} for i in range(32)]
+    )
+
+
+def tiny_args(config_class: type, output_dir: Path, **overrides) -> GRPOConfig:
+    """A CPU config for 2 quick steps: 8 completions per process and step, 8 new tokens at most."""
+    settings = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        max_completion_length=8,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=1e-2,
+        seed=0,
+    )
+    settings.update(overrides)
+    return config_class(**settings)
+
+
+# --- pure helpers ----------------------------------------------------------------------------------------
+
+
+def test_batch_arithmetic_counts_kept_rows_and_explains_errors() -> None:
+    assert check_batch_arithmetic(16, 4, num_generations=64, num_generations_kept=16) == 16
+    assert check_batch_arithmetic(8, 1, num_generations=4, num_generations_kept=2, num_processes=2) == 4
+    with pytest.raises(ValueError, match=r"not a multiple of n=4.*spread a prompt's group over 2 processes"):
+        check_batch_arithmetic(6, 1, num_generations=4, num_generations_kept=2, num_processes=2)
+    with pytest.raises(ValueError, match=r"\(2 x 2 / 4\) x 3 = 1 prompts x 3 = 3.*drop 1 kept"):
+        check_batch_arithmetic(2, 2, num_generations=4, num_generations_kept=3)
+
+
+def test_misconfigured_batch_fails_when_the_config_is_built(tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"steps_per_generation=2 equal micro-batches.*per_device_train_batch_size=4"
+    ):
+        tiny_args(
+            PODSConfig,
+            tmp_path,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            num_generations_kept=3,
+        )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_generations_kept": 5}, r"between 2 and num_generations \(n=4\), got 5"),
+        ({"num_generations_kept": 1}, r"m=1 gives no signal"),
+        ({"selection_rule": "best"}, r"unknown selection_rule 'best'; known rules: max_variance"),
+        ({"selection_rule": "all", "num_generations_kept": 2}, r"'all' keeps every completion"),
+        ({"multi_objective_aggregation": "normalize_then_sum"}, r"sum_then_normalize"),
+    ],
+)
+def test_config_rejects_bad_pods_fields(tmp_path: Path, overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_args(PODSConfig, tmp_path, **overrides)
+
+
+def test_config_defaults_to_plain_grpo_and_accepts_user_rules(tmp_path: Path) -> None:
+    assert tiny_args(PODSConfig, tmp_path).kept_per_prompt == 4
+    assert (
+        tiny_args(PODSConfig, tmp_path, num_generations_kept=2, selection_rule="test_lowest").kept_per_prompt
+        == 2
+    )
+
+
+def test_scale_mapping_and_summed_rewards() -> None:
+    assert [advantage_scale(s) for s in ("group", "batch", "none", True, False)] == [
+        "group",
+        "batch",
+        "none",
+        "group",
+        "none",
+    ]
+    with pytest.raises(ValueError, match="scale_rewards"):
+        advantage_scale("std")
+    per_func = torch.tensor([[1.0, float("nan")], [0.5, 2.0]])
+    assert summed_rewards(per_func, torch.tensor([1.0, 0.5])).tolist() == [1.0, 1.5]
+    with pytest.raises(
+        ValueError, match=r"returned None for 1 completion\(s\) \(first at row 1\).*return 0.0"
+    ):
+        summed_rewards(torch.tensor([[1.0], [float("nan")]]), torch.ones(1))
+
+
+def test_take_rows_keeps_every_per_row_entry_and_refuses_unknown_shapes() -> None:
+    kept = torch.tensor([[1, 3], [0, 2]])
+    rows = kept_row_indices(kept, num_generations=4)
+    assert rows.tolist() == [1, 3, 4, 6]
+    batch = {
+        "completion_ids": torch.arange(16).view(8, 2),
+        "advantages": torch.arange(8.0),
+        "num_images": list(range(8)),
+        "num_items_in_batch": torch.tensor(16),
+        "old_per_token_logps": None,
+    }
+    out = take_rows(batch, rows, num_rows=8)
+    assert out["completion_ids"].tolist() == [[2, 3], [6, 7], [8, 9], [12, 13]]
+    assert out["advantages"].tolist() == [1.0, 3.0, 4.0, 6.0]
+    assert out["num_images"] == [1, 3, 4, 6]
+    assert out["num_items_in_batch"].item() == 16 and out["old_per_token_logps"] is None
+    with pytest.raises(ValueError, match=r"'mystery' \(size \(3,\)\).*not one entry per completion \(8\)"):
+        take_rows({**batch, "mystery": torch.zeros(3)}, rows, num_rows=8)
+
+
+# --- the trainer -----------------------------------------------------------------------------------------
+
+
+def test_generation_batch_keeps_the_selected_rows_of_each_group(tiny_model_dir, prompts, tmp_path) -> None:
+    """One generation batch, checked row by row against an independent recomputation."""
+    seen: list[list[int]] = []
+
+    def recording_reward(completion_ids, **kwargs):
+        seen.extend(completion_ids)
+        return token_sum_reward(completion_ids)
+
+    args = tiny_args(PODSConfig, tmp_path, num_generations_kept=2, gradient_accumulation_steps=2, beta=0.04)
+    trainer = PODSTrainer(
+        model=str(tiny_model_dir), reward_funcs=recording_reward, args=args, train_dataset=prompts
+    )
+    inputs = next(iter(trainer.get_train_dataloader()))
+    assert len(inputs) == 16  # 8 completions x 2 accumulation steps = 4 groups of n = 4
+
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(inputs)
+    rewards = torch.tensor(token_sum_reward(seen)).view(4, 4)
+    expected = select(rewards, 2, "max_variance")
+    rows = kept_row_indices(expected, 4).tolist()
+    completions = [
+        ids[mask.bool()].tolist()
+        for ids, mask in zip(batch["completion_ids"], batch["completion_mask"], strict=True)
+    ]
+    assert completions == [seen[r] for r in rows]
+    for key in ("prompt_ids", "prompt_mask", "completion_mask", "ref_per_token_logps", "advantages"):
+        assert batch[key].shape[0] == 8, key
+    kept_rewards = rewards.gather(1, expected)
+    assert torch.equal(batch["advantages"], group_advantages(kept_rewards).view(-1))
+    assert batch["num_items_in_batch"].item() == batch["completion_mask"].sum().item()
+    for group in range(4):  # each kept pair still belongs to one prompt, and it is the best pair there is
+        assert torch.equal(batch["prompt_ids"][2 * group], batch["prompt_ids"][2 * group + 1])
+        best = max(rewards[group, list(pair)].var().item() for pair in itertools.combinations(range(4), 2))
+        assert kept_rewards[group].var().item() == pytest.approx(best)
+    assert trainer._metrics["train"]["pods/reward_mean_all"] == [pytest.approx(rewards.mean().item())]
+
+    trainer.model.eval()  # evaluation is TRL's, untouched: every completion comes back
+    assert trainer._generate_and_score_completions(inputs)["completion_ids"].shape[0] == 16
+
+
+@pytest.mark.parametrize("rule", ["max_variance", "max_reward", "random", "test_lowest"])
+def test_two_training_steps_per_rule(tiny_model_dir, prompts, tmp_path, rule: str) -> None:
+    args = tiny_args(PODSConfig, tmp_path, num_generations_kept=2, selection_rule=rule)
+    trainer = PODSTrainer(
+        model=str(tiny_model_dir), reward_funcs=token_sum_reward, args=args, train_dataset=prompts
+    )
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    logs = [log for log in trainer.state.log_history if "pods/reward_mean_kept" in log]
+    assert len(logs) == 2
+    for log in logs:
+        assert torch.isfinite(torch.tensor(log["loss"]))
+        kept, everything = log["pods/reward_mean_kept"], log["pods/reward_mean_all"]
+        if rule == "max_reward":
+            assert kept >= everything
+        if rule == "test_lowest":
+            assert kept <= everything
+        if rule == "max_variance":  # max-variance keeps a spread in every group that has one
+            assert log["pods/frac_zero_std_kept"] == log["pods/frac_zero_std_all"]
+        assert log["pods/frac_zero_std_kept"] >= log["pods/frac_zero_std_all"]
+
+
+def test_m_equal_n_reproduces_grpo_exactly(tiny_model_dir, prompts, tmp_path) -> None:
+    """Same seed, KL on and two accumulation steps: identical losses and identical weights."""
+    common = dict(beta=0.04, gradient_accumulation_steps=2, max_steps=2)
+    grpo = GRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=token_sum_reward,
+        args=tiny_args(GRPOConfig, tmp_path / "grpo", **common),
+        train_dataset=prompts,
+    )
+    grpo.train()
+    pods = PODSTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=token_sum_reward,
+        args=tiny_args(PODSConfig, tmp_path / "pods", selection_rule="all", num_generations_kept=4, **common),
+        train_dataset=prompts,
+    )
+    pods.train()
+    losses = [[log["loss"] for log in t.state.log_history if "loss" in log] for t in (grpo, pods)]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
+    assert any(loss != 0.0 for loss in losses[0])  # the KL term makes the second loss non-trivial
+    weights = grpo.model.state_dict(), pods.model.state_dict()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_trainer_needs_a_pods_config(tiny_model_dir, prompts, tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"PODSTrainer needs args=PODSConfig"):
+        PODSTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=token_sum_reward,
+            args=tiny_args(GRPOConfig, tmp_path),
+            train_dataset=prompts,
+        )
+
+
+@pytest.mark.slow
+def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path) -> None:
+    """accelerate launch, 2 CPU processes (gloo). ``--cpu --num_processes 2`` starts ONE process in
+    accelerate 1.16, so we launch through torchrun (``--multi_gpu``) with CUDA hidden."""
+    script = REPO_ROOT / "tests" / "scripts" / "trl_two_process.py"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    command += [
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+    ]
+    result = subprocess.run(
+        [*command, str(script), str(tiny_model_dir), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "PODS-TWO-PROCESS-OK rank=0 checks=2" in result.stdout
+    assert "PODS-TWO-PROCESS-OK rank=1 checks=2" in result.stdout
+
+
+# --- the example -----------------------------------------------------------------------------------------
+
+
+def test_gsm8k_example_builds_its_config_without_a_gpu(tmp_path) -> None:
+    spec = importlib.util.spec_from_file_location("trl_gsm8k", REPO_ROOT / "examples" / "trl_gsm8k.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.build_parser().parse_args(["--output-dir", str(tmp_path)])
+    assert (args.model, args.n, args.m, args.rule) == ("Qwen/Qwen2.5-3B-Instruct", 64, 16, "max_variance")
+    config = example.build_config(args, use_cpu=True)
+    assert isinstance(config, PODSConfig)
+    assert (config.num_generations, config.kept_per_prompt, config.selection_rule) == (64, 16, "max_variance")
+    assert config.use_vllm and config.vllm_mode == "colocate"
+    # one prompt per step: 64 generated on the process, 16 kept, 4 micro-batches of 4
+    assert (config.per_device_train_batch_size, config.steps_per_generation) == (16, 4)
+    grpo = example.build_config(
+        example.build_parser().parse_args(
+            ["--n", "16", "--m", "16", "--rule", "all", "--output-dir", str(tmp_path)]
+        ),
+        use_cpu=True,
+    )
+    assert (grpo.num_generations, grpo.kept_per_prompt) == (16, 16)
+    assert example.build_peft_config(args).r == 64
