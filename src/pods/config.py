@@ -1,0 +1,339 @@
+"""Training configuration as data: one flat dataclass, loadable from YAML and overridable from the CLI.
+
+Names follow TRL's ``GRPOConfig`` where the meaning is the same (``num_generations``, ``beta``,
+``epsilon``, ``loss_type``, ``scale_rewards``, ``temperature``, ``max_completion_length``, ...).
+The batch arithmetic, per process and per step:
+
+    prompts_per_step prompts  x  num_generations (n) completions each  = rollouts generated
+    prompts_per_step prompts  x  num_generations_kept (m) each         = rows trained on
+    rows trained on / micro_batch_size                                 = micro-batches accumulated
+
+``micro_batch_size`` counts kept completions (rows), never prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+import yaml
+
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+SCHEDULERS = ("constant", "cosine", "linear")
+OPTIMIZERS = ("adamw", "adamw_8bit")
+EVAL_PROTOCOLS = ("greedy", "sampled")
+ROLLOUT_ENGINES = ("hf",)  # the engine protocol (pods.rollout) is where vLLM slots in
+PRECISIONS = ("auto", "no", "bf16", "fp16")
+
+EMBEDDED_MODEL = "embedded"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and the fix."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs. Defaults are the embedded CPU demo (``pods train``)."""
+
+    # --- model ---
+    model: str = EMBEDDED_MODEL  # a local folder, a hub name, or "embedded" (the shipped arithmetic model)
+    tokenizer: str | None = None  # defaults to the model's own
+    dtype: str = "float32"  # weights' dtype: float32, bfloat16, float16, or auto
+    lora_r: int = 0  # 0 = full fine-tuning; > 0 = LoRA through peft with this rank
+    lora_alpha: int = 64
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | str = "all-linear"
+    load_in_4bit: bool = False  # QLoRA base (needs bitsandbytes and a GPU)
+    gradient_checkpointing: bool = False
+
+    # --- data ---
+    task: str = "arith"  # arith, gsm8k, math500, math (or a registered task)
+    task_source: str | None = None  # hub name or local file/folder; None = the task's default
+    train_split: str = "train"
+    prompt_style: str = "plain"  # chat (tokenizer's chat template) or plain
+    max_prompt_length: int | None = 512  # longer prompts are filtered out of the data
+    train_limit: int | None = None
+
+    # --- rollouts ---
+    num_generations: int = 16  # n: completions generated per prompt
+    num_generations_kept: int = 4  # m: completions trained on per prompt (m = n is plain GRPO)
+    selection_rule: str = "max_variance"  # max_variance, max_reward, random, all, or a registered rule
+    prompts_per_step: int = 16  # prompts per step per process
+    max_completion_length: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_strings: list[str] = field(default_factory=list)
+    generation_batch_size: int = 256  # completions generated per forward batch
+    rollout_engine: str = "hf"
+
+    # --- rewards and loss ---
+    reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
+    reward_weights: list[float] | None = None
+    scale_rewards: str = "group"  # group (paper), batch, none (Dr. GRPO)
+    advantage_eps: float = 1e-4
+    loss_type: str = "grpo"
+    beta: float = 0.0  # KL coefficient (k3) to the reference policy
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # defaults to epsilon; DAPO uses 0.28
+    num_iterations: int = 1  # optimisation passes over each batch of kept rollouts
+
+    # --- optimisation ---
+    learning_rate: float = 3e-5
+    lr_scheduler_type: str = "constant"
+    warmup_ratio: float = 0.0
+    optimizer: str = "adamw"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 64  # kept rows per forward/backward pass
+    mixed_precision: str = "no"  # no, bf16, fp16, or auto (bf16 where the GPU supports it)
+
+    # --- run ---
+    max_steps: int | None = None
+    max_time: float | None = 240.0  # training wall-clock budget in seconds (evaluation excluded)
+    seed: int = 0
+    output_dir: str | None = None  # default: runs/<timestamp>
+    eval_task: str | None = None  # defaults to task
+    eval_source: str | None = None
+    eval_split: str = "test"
+    eval_limit: int | None = 500
+    eval_protocol: str = "greedy"
+    eval_samples: int = 5  # samples per problem for the sampled protocol
+    eval_temperature: float = 0.9
+    eval_every_seconds: float | None = 30.0  # of training time; None = only at start and end
+    eval_at_start: bool = True
+    eval_batch_size: int = 256
+    save_every_steps: int | None = None
+    save_every_seconds: float | None = 60.0
+    save_total_limit: int = 2
+    save_final: bool = True
+    resume_from: str | None = None  # a checkpoint folder, a run folder, or "auto"
+    report_to: list[str] = field(default_factory=list)  # tensorboard, wandb, trackio
+    progress: bool = True  # live progress display on the main process
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ``ConfigError`` for any setting that cannot work, before any work starts."""
+        n, m = self.num_generations, self.num_generations_kept
+        _require(n >= 1, "num_generations", f"must be at least 1, got {n}")
+        _require(m >= 2, "num_generations_kept", f"must be at least 2 (advantages need a group), got {m}")
+        _require(
+            m <= n,
+            "num_generations_kept",
+            f"m={m} cannot exceed num_generations n={n}: PODS keeps m of the n rollouts of each prompt",
+        )
+        if self.selection_rule == "all":
+            _require(
+                m == n, "selection_rule", f"'all' keeps every rollout, so set num_generations_kept = n = {n}"
+            )
+        _require(
+            self.prompts_per_step >= 1, "prompts_per_step", f"must be at least 1, got {self.prompts_per_step}"
+        )
+        rows = self.prompts_per_step * m
+        _require(
+            self.micro_batch_size >= 1 and rows % self.micro_batch_size == 0,
+            "micro_batch_size",
+            f"{self.micro_batch_size} must divide the kept rows per step per process, prompts_per_step x m = "
+            f"{self.prompts_per_step} x {m} = {rows}; divisors: {_divisors(rows)}",
+        )
+        _require(self.max_completion_length >= 1, "max_completion_length", "must be at least 1")
+        _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.generation_batch_size >= 1, "generation_batch_size", "must be at least 1")
+        _choice(self.loss_type, LOSS_TYPES, "loss_type")
+        _choice(self.scale_rewards, SCALE_REWARDS, "scale_rewards")
+        _choice(self.lr_scheduler_type, SCHEDULERS, "lr_scheduler_type")
+        _choice(self.optimizer, OPTIMIZERS, "optimizer")
+        _choice(self.eval_protocol, EVAL_PROTOCOLS, "eval_protocol")
+        _choice(self.rollout_engine, ROLLOUT_ENGINES, "rollout_engine")
+        _choice(self.mixed_precision, PRECISIONS, "mixed_precision")
+        _choice(self.prompt_style, ("chat", "plain", "raw"), "prompt_style")
+        _choice(self.dtype, ("float32", "bfloat16", "float16", "auto"), "dtype")
+        _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
+        _require(self.epsilon >= 0, "epsilon", f"must be >= 0, got {self.epsilon}")
+        _require(self.num_iterations >= 1, "num_iterations", f"must be at least 1, got {self.num_iterations}")
+        _require(self.learning_rate >= 0, "learning_rate", f"must be >= 0, got {self.learning_rate}")
+        _require(0 <= self.warmup_ratio < 1, "warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")
+        _require(self.lora_r >= 0, "lora_r", f"must be >= 0 (0 = full fine-tuning), got {self.lora_r}")
+        _require(
+            not self.load_in_4bit or self.lora_r > 0,
+            "load_in_4bit",
+            "a 4-bit base cannot be fully fine-tuned; set lora_r > 0 (QLoRA)",
+        )
+        _require(bool(self.reward_funcs), "reward_funcs", "needs at least one reward function")
+        if self.reward_weights is not None:
+            _require(
+                len(self.reward_weights) == len(self.reward_funcs),
+                "reward_weights",
+                f"has {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs",
+            )
+        _require(
+            self.max_steps is not None or self.max_time is not None,
+            "max_steps",
+            "set max_steps or max_time (or both): the run needs an end",
+        )
+        _require(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be at least 1")
+        _require(
+            self.warmup_ratio == 0 or self.max_steps is not None,
+            "warmup_ratio",
+            "is a fraction of max_steps, so set max_steps (or warmup_ratio: 0)",
+        )
+        _require(
+            self.lr_scheduler_type == "constant" or self.max_steps is not None,
+            "lr_scheduler_type",
+            f"{self.lr_scheduler_type!r} decays over max_steps, so set max_steps (or use 'constant')",
+        )
+        _require(self.max_time is None or self.max_time > 0, "max_time", "must be positive (seconds)")
+        _require(self.save_total_limit >= 1, "save_total_limit", "must be at least 1")
+        _require(self.eval_samples >= 1, "eval_samples", "must be at least 1")
+
+    def check_names(self) -> None:
+        """Check the names that live in registries (rule, rewards, task); imports the registries."""
+        from pods.selection import available_rules
+
+        _choice(self.selection_rule, tuple(available_rules()), "selection_rule")
+        from pods.rewards import REWARD_FUNCTIONS
+
+        for name in self.reward_funcs:
+            _choice(name, tuple(REWARD_FUNCTIONS), "reward_funcs")
+        from pods.data import available_tasks
+
+        _choice(self.task, tuple(available_tasks()), "task")
+        if self.eval_task is not None:
+            _choice(self.eval_task, tuple(available_tasks()), "eval_task")
+
+    # ------------------------------------------------------------------ (de)serialisation
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """Build from a mapping; unknown keys are an error that suggests the closest valid key."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=3)
+                hint = (
+                    f"did you mean {', '.join(close)}?"
+                    if close
+                    else f"valid keys: {', '.join(sorted(known))}"
+                )
+                raise ConfigError(f"unknown configuration key {key!r}; {hint}")
+        return cls(**{key: _coerce(key, value) for key, value in values.items()})
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+        """Load a YAML preset (a flat mapping), then apply overrides."""
+        return cls.from_dict({**load_yaml_mapping(path), **(overrides or {})})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """Read a YAML file that must hold a flat mapping of configuration keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"configuration file {path} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} must hold a mapping of configuration keys, got {type(values).__name__}")
+    return values
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """Turn ``["--key", "value", "--flag", ...]`` or ``["key=value"]`` into a mapping (values parsed as YAML)."""
+    overrides: dict[str, Any] = {}
+    index = 0
+    while index < len(items):
+        item = items[index]
+        if item.startswith("--"):
+            key, sep, raw = item[2:].partition("=")
+            if not sep:
+                if index + 1 >= len(items) or items[index + 1].startswith("--"):
+                    raise ConfigError(f"option --{key} needs a value (e.g. --{key} VALUE)")
+                index += 1
+                raw = items[index]
+        else:
+            key, sep, raw = item.partition("=")
+            if not sep:
+                raise ConfigError(f"cannot read override {item!r}: write --key value or key=value")
+        overrides[key.replace("-", "_")] = _parse_value(raw)
+        index += 1
+    return overrides
+
+
+def _parse_value(raw: str) -> Any:
+    """A command-line value as YAML would read it, plus numbers such as ``1e-5`` that YAML 1.1 leaves as text."""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+_HINTS = get_type_hints(TrainConfig)
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Check a value against the field's type, converting only the harmless cases (int -> float, str -> [str])."""
+    hint = _HINTS[key]
+    allowed = get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        raise ConfigError(f"{key} cannot be null")
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    for kind in allowed:
+        if get_origin(kind) is list and isinstance(value, list):
+            return value
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is int and is_number and float(value).is_integer() and not isinstance(value, float):
+            return value
+        if kind is float and is_number:
+            return float(value)
+        if kind is str and isinstance(value, str):
+            return value
+    if list[str] in allowed and isinstance(value, str):
+        return [value]
+    if float in allowed and isinstance(value, str):  # YAML 1.1 reads 5e-6 (no dot) as text
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    wanted = " or ".join("null" if k is type(None) else getattr(k, "__name__", str(k)) for k in allowed)
+    raise ConfigError(f"{key} must be {wanted}, got {value!r}")
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}: unknown value {value!r}; choose one of {', '.join(choices)}")
+
+
+def _divisors(number: int) -> str:
+    return ", ".join(str(d) for d in range(1, number + 1) if number % d == 0)

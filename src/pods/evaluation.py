@@ -1,0 +1,110 @@
+"""Held-out evaluation: greedy pass@1 (the community's convention) or the paper's sampled protocol
+(temperature 0.9, k samples per problem, averaged). Reports answer accuracy, format accuracy and both."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from pods.rollout import HFGenerateEngine, SamplingParams
+
+_ANSWER_TAG = re.compile(r"<answer>.*?</answer>", re.DOTALL)
+_HASH_ANSWER = re.compile(r"####\s*\S")
+
+
+@dataclass
+class EvalResult:
+    accuracy: float  # fraction of samples whose answer is correct
+    format_accuracy: float  # fraction that state their answer in the requested format
+    correct_and_formatted: float  # both at once
+    num_problems: int
+    samples_per_problem: int
+    protocol: str
+    temperature: float
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def follows_format(text: str, prompt_style: str) -> bool:
+    """Chat prompts ask for ``<answer>...</answer>``; plain prompts for a final ``#### <answer>`` line."""
+    return bool(_ANSWER_TAG.search(text) if prompt_style == "chat" else _HASH_ANSWER.search(text))
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    dataset: Any,
+    accuracy_fn: Callable[..., list[float]],
+    *,
+    protocol: str = "greedy",
+    samples: int = 5,
+    temperature: float = 0.9,
+    max_new_tokens: int = 512,
+    batch_size: int = 256,
+    prompt_style: str = "plain",
+    stop_strings: tuple[str, ...] = (),
+    accelerator: Any = None,
+    progress: bool = False,
+) -> EvalResult:
+    """Score ``model`` on every row of ``dataset`` (columns ``prompt``, ``answer``), sharded over processes."""
+    from pods.prompts import render_prompt
+
+    if protocol not in ("greedy", "sampled"):
+        raise ValueError(f"unknown evaluation protocol {protocol!r}; choose greedy or sampled")
+    k = 1 if protocol == "greedy" else samples
+    sampling = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=0.0 if protocol == "greedy" else temperature,
+        stop_strings=tuple(stop_strings),
+    )
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    rows = [dataset[i] for i in range(rank, len(dataset), world)]
+    engine = HFGenerateEngine(model, tokenizer, generation_batch_size=batch_size)
+    prompts_per_batch = max(1, batch_size // k)
+
+    start = time.perf_counter()
+    totals = torch.zeros(3, dtype=torch.float64)  # correct, formatted, both
+    batches = range(0, len(rows), prompts_per_batch)
+    for begin in _maybe_progress(batches, progress and rank == 0, "evaluating"):
+        chunk = rows[begin : begin + prompts_per_batch]
+        rendered = [render_prompt(row["prompt"], tokenizer) for row in chunk]
+        rollouts = engine.generate(rendered, k, sampling)
+        answers = [row["answer"] for row in chunk for _ in range(k)]
+        prompts = [row["prompt"] for row in chunk for _ in range(k)]
+        correct = torch.tensor(accuracy_fn(prompts=prompts, completions=rollouts.texts, answer=answers)) > 0.5
+        formatted = torch.tensor([follows_format(text, prompt_style) for text in rollouts.texts])
+        totals += torch.stack([correct.sum(), formatted.sum(), (correct & formatted).sum()]).double()
+
+    count = torch.tensor(float(len(rows) * k), dtype=torch.float64)
+    if accelerator is not None and world > 1:
+        totals, count = (
+            accelerator.reduce(totals.to(accelerator.device), "sum").cpu(),
+            accelerator.reduce(count.to(accelerator.device), "sum").cpu(),
+        )
+    fractions = (totals / count.clamp_min(1)).tolist()
+    return EvalResult(
+        accuracy=fractions[0],
+        format_accuracy=fractions[1],
+        correct_and_formatted=fractions[2],
+        num_problems=len(dataset),
+        samples_per_problem=k,
+        protocol=protocol,
+        temperature=sampling.temperature,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _maybe_progress(items: range, enabled: bool, description: str):
+    if not enabled:
+        return items
+    from rich.progress import track
+
+    return track(items, description=description, transient=True)

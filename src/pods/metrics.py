@@ -1,0 +1,72 @@
+"""Metric logs: one JSON object per line, append-only, trimmed back to a checkpoint's step on resume
+so that a resumed run has no duplicated or missing rows."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+# Metrics that measure the machine rather than the learning: they differ between two identical runs.
+TIMING_KEYS = (
+    "train_seconds",
+    "seconds_generate",
+    "seconds_score",
+    "seconds_select",
+    "seconds_update",
+    "seconds_step",
+    "tokens_per_second",
+    "peak_memory_mb",
+    "eval_seconds",
+    "wall_time",
+)
+
+
+class JsonlLog:
+    """Append-only JSON-lines file of metric rows keyed by ``step``."""
+
+    def __init__(self, path: Path, enabled: bool = True) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+
+    def append(self, row: dict[str, Any]) -> None:
+        if self.enabled:
+            with self.path.open("a") as handle:
+                handle.write(json.dumps(_plain(row)) + "\n")
+
+    def reset(self) -> None:
+        """Start an empty log (a fresh run)."""
+        if self.enabled:
+            self.path.write_text("")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows logged after ``step`` (written by a run that crashed after its last checkpoint)."""
+        if self.enabled and self.path.is_file():
+            kept = [row for row in read_jsonl(self.path) if row.get("step", 0) <= step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+            tmp.replace(self.path)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines file; a torn last line (crash mid-write) is ignored."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    """Python scalars only, non-finite floats as null (valid JSON)."""
+    clean = {}
+    for key, value in row.items():
+        if hasattr(value, "item"):
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            value = None
+        clean[key] = value
+    return clean

@@ -1,0 +1,141 @@
+"""Loading the policy (full fine-tuning or LoRA through peft, optionally on a 4-bit base) and its tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pods.config import EMBEDDED_MODEL, ConfigError, TrainConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Policy:
+    model: torch.nn.Module
+    tokenizer: object
+    is_lora: bool
+
+
+def resolve_model_path(name: str) -> str:
+    """``"embedded"`` -> the shipped arithmetic model; a local folder as is; anything else a hub name."""
+    if name == EMBEDDED_MODEL:
+        from pods.embedded import default_model_path
+
+        return str(default_model_path())
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+            raise ConfigError(
+                f"model: {path} has no config.json (nor adapter_config.json): not a model folder"
+            )
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ConfigError(f"model: the folder {name} does not exist; give a model folder or a hub name")
+    return name
+
+
+def load_tokenizer(name: str, padding_side: str = "left"):
+    """The tokenizer with left padding (generation) and a pad token (falls back to EOS)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except OSError as error:
+        raise ConfigError(f"could not load a tokenizer from {name!r}: {_offline_hint(error)}") from None
+    tokenizer.padding_side = padding_side
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(config: TrainConfig, device: torch.device | None = None) -> Policy:
+    """Build the model to train from the configuration: full weights, LoRA, or QLoRA (4-bit base)."""
+    from transformers import AutoModelForCausalLM
+
+    name = resolve_model_path(config.model)
+    adapter_dir = Path(name) / "adapter_config.json"
+    tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else name)
+
+    kwargs: dict = {}
+    if config.dtype != "auto":
+        kwargs["dtype"] = _DTYPES[config.dtype]
+    if config.load_in_4bit:
+        kwargs["quantization_config"] = _four_bit_config(config)
+    try:
+        if adapter_dir.is_file():  # a LoRA checkpoint exported by pods: load base + adapter, keep training it
+            from peft import AutoPeftModelForCausalLM
+
+            model = AutoPeftModelForCausalLM.from_pretrained(name, is_trainable=True, **kwargs)
+            return Policy(model=model, tokenizer=tokenizer, is_lora=True)
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except OSError as error:
+        raise ConfigError(f"model: could not load {name!r}: {_offline_hint(error)}") from None
+
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if config.lora_r > 0:
+        model = add_lora(model, config)
+    return Policy(model=model, tokenizer=tokenizer, is_lora=config.lora_r > 0)
+
+
+def add_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
+    """Wrap ``model`` with trainable LoRA adapters (the base stays frozen and doubles as the KL reference)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if config.load_in_4bit:
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=config.gradient_checkpointing
+        )
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as error:
+        raise ConfigError(f"lora_target_modules: {error}") from None
+
+
+def load_reference(config: TrainConfig) -> torch.nn.Module:
+    """A frozen copy of the starting weights for the KL term (full fine-tuning only; LoRA disables its adapter)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": _DTYPES[config.dtype]} if config.dtype != "auto" else {}
+    reference = AutoModelForCausalLM.from_pretrained(resolve_model_path(config.model), **kwargs)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+def _four_bit_config(config: TrainConfig):
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "load_in_4bit needs a CUDA GPU (bitsandbytes 4-bit kernels); set load_in_4bit: false"
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise ConfigError("load_in_4bit needs bitsandbytes: pip install bitsandbytes") from None
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def _offline_hint(error: Exception) -> str:
+    text = str(error).splitlines()[0]
+    return (
+        f"{text}. If this machine is offline, download the model elsewhere and pass its local folder "
+        "(or set HF_HUB_OFFLINE=1 with the model already in the Hugging Face cache)."
+    )

@@ -1,0 +1,81 @@
+"""Scoring completions with reward functions in TRL's signature and summing them into one reward each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+RewardFunction = Callable[..., Sequence[float | None]]
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised or returned something unusable; names the function and the sample."""
+
+
+def reward_name(fn: RewardFunction) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def score_completions(
+    reward_funcs: Sequence[RewardFunction],
+    weights: Sequence[float] | None,
+    prompts: list[Any],
+    completions: list[str],
+    completion_ids: list[list[int]],
+    columns: dict[str, list[Any]],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted sum of every reward function per completion: ``(total[N], {name: per_function[N]})``.
+
+    Each function is called as ``f(prompts=..., completions=..., completion_ids=..., **columns)``
+    with one entry per completion. A ``None`` score means "does not apply" and adds nothing, as in TRL.
+    """
+    weights = list(weights) if weights is not None else [1.0] * len(reward_funcs)
+    total = torch.zeros(len(completions), dtype=torch.float64)
+    per_function: dict[str, torch.Tensor] = {}
+    for fn, weight in zip(reward_funcs, weights, strict=True):
+        name = reward_name(fn)
+        try:
+            scores = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as error:  # a user's function: report which one, on what
+            raise RewardFunctionError(
+                f"reward function {name!r} raised {type(error).__name__}: {error} "
+                f"(batch of {len(completions)} completions; first completion: {_excerpt(completions[0])})"
+            ) from error
+        values = _as_scores(name, scores, completions)
+        per_function[name] = values
+        total += weight * torch.nan_to_num(values, nan=0.0)
+    return total, per_function
+
+
+def _as_scores(name: str, scores: object, completions: list[str]) -> torch.Tensor:
+    if not isinstance(scores, Sequence) or isinstance(scores, str) or len(scores) != len(completions):
+        size = len(scores) if isinstance(scores, Sequence) else type(scores).__name__
+        raise RewardFunctionError(
+            f"reward function {name!r} must return one score per completion ({len(completions)}), got {size}"
+        )
+    values = []
+    for index, score in enumerate(scores):
+        if score is None:
+            values.append(float("nan"))
+            continue
+        try:
+            value = float(score)
+        except (TypeError, ValueError):
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {score!r} for completion {index} "
+                f"({_excerpt(completions[index])}); scores must be numbers or None"
+            ) from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {value} for completion {index} "
+                f"({_excerpt(completions[index])}); return a finite number (or None to skip)"
+            )
+        values.append(value)
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _excerpt(text: str, limit: int = 80) -> str:
+    text = str(text)
+    return repr(text if len(text) <= limit else text[:limit] + "...")

@@ -1,0 +1,612 @@
+"""The PODS trainer. One step, per prompt (a group), reads top to bottom in :meth:`PODSTrainer.train`:
+
+1. generate n completions with the current policy;
+2. score them with the reward functions (summed into one reward each);
+3. select m of the n with a down-sampling rule (per group, never across groups);
+4. compute group-relative advantages over the m kept;
+5. compute the GRPO loss on the m kept only and take an optimizer step.
+
+GRPO is the special case m = n. ``accelerate`` supplies devices, DDP / DeepSpeed / FSDP, mixed precision,
+trackers and state saving: each process generates and selects for its own prompts, so a group never
+spans processes, and gradients are synchronised as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pods.advantages import group_advantages, zero_variance_groups
+from pods.checkpoint import (
+    TrainerState,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_partial_checkpoints,
+    save_checkpoint,
+)
+from pods.config import ConfigError, TrainConfig
+from pods.evaluation import EvalResult, evaluate
+from pods.loss import completion_logprobs, policy_loss
+from pods.metrics import JsonlLog
+from pods.models import Policy, load_policy, load_reference
+from pods.progress import TrainingProgress
+from pods.rollout import HFGenerateEngine, Rollouts, SamplingParams
+from pods.scoring import RewardFunction, reward_name, score_completions
+from pods.selection import select
+
+ACCURACY_REWARDS = {
+    "gsm8k": "accuracy",
+    "arith": "accuracy",
+    "math500": "math_accuracy",
+    "math": "math_accuracy",
+}
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    steps: int
+    train_seconds: float
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint: Path | None = None
+
+    @property
+    def first_eval(self) -> dict[str, Any] | None:
+        return self.evals[0] if self.evals else None
+
+    @property
+    def last_eval(self) -> dict[str, Any] | None:
+        return self.evals[-1] if self.evals else None
+
+
+class PromptStream:
+    """The prompts of each step, as a pure function of the step: exact resume needs no data state.
+
+    Epoch e visits the rows in a permutation seeded by (seed, e); process r of W takes its own
+    ``prompts_per_step`` consecutive prompts of the step's global slice.
+    """
+
+    def __init__(self, rows: list[dict[str, Any]], prompts_per_step: int, seed: int, rank: int, world: int):
+        if not rows:
+            raise ConfigError(
+                "the training set is empty (check task, task_source, train_limit, max_prompt_length)"
+            )
+        self.rows, self.per_step, self.seed, self.rank, self.world = rows, prompts_per_step, seed, rank, world
+        self._orders: dict[int, list[int]] = {}
+
+    def batch(self, step: int) -> list[dict[str, Any]]:
+        first = (step * self.world + self.rank) * self.per_step
+        return [self.rows[self._index(position)] for position in range(first, first + self.per_step)]
+
+    def epoch(self, step: int) -> float:
+        return step * self.world * self.per_step / len(self.rows)
+
+    def _index(self, position: int) -> int:
+        epoch, offset = divmod(position, len(self.rows))
+        if epoch not in self._orders:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._orders = {epoch: torch.randperm(len(self.rows), generator=generator).tolist()}
+        return self._orders[epoch][offset]
+
+
+class StepTimer:
+    """Seconds spent in each phase of a step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+class PODSTrainer:
+    """Builds everything a run needs from a :class:`TrainConfig`, then :meth:`train` runs the loop."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        reward_funcs: list[RewardFunction] | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+    ) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import broadcast_object_list
+
+        self.config = cfg = config
+        if reward_funcs is None:
+            cfg.check_names()
+            from pods.rewards import get_reward_functions
+
+            reward_funcs = get_reward_functions(cfg.reward_funcs)
+        else:
+            from pods.selection import get_rule
+
+            get_rule(cfg.selection_rule)
+        self.reward_funcs = reward_funcs
+        if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_funcs):
+            raise ConfigError(
+                f"reward_weights: {len(cfg.reward_weights)} weights for {len(reward_funcs)} functions"
+            )
+
+        precision = cfg.mixed_precision
+        if precision == "auto":
+            precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+        self.accelerator = Accelerator(mixed_precision=precision, log_with=cfg.report_to or None)
+        acc = self.accelerator
+        self.output_dir = Path(broadcast_object_list([self._pick_output_dir()])[0])
+        if acc.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            cfg.save(self.output_dir / "config.yaml")
+        acc.wait_for_everyone()
+        self.checkpoint_root = self.output_dir / "checkpoints"
+        self.metrics_log = JsonlLog(self.output_dir / "metrics.jsonl", enabled=acc.is_main_process)
+        self.eval_log = JsonlLog(self.output_dir / "eval.jsonl", enabled=acc.is_main_process)
+
+        torch.manual_seed(cfg.seed)
+        self.policy: Policy = load_policy(cfg)
+        self.tokenizer = self.policy.tokenizer
+        self.train_rows = self._load_rows(
+            train_dataset, cfg.task, cfg.task_source, cfg.train_split, cfg.train_limit
+        )
+        self.eval_dataset = eval_dataset if eval_dataset is not None else self._load_eval_dataset()
+        self.accuracy_fn = self._accuracy_function()
+
+        trainable = [p for p in self.policy.model.parameters() if p.requires_grad]
+        optimizer = self._make_optimizer(trainable)
+        self.scheduler = self._make_scheduler(optimizer)
+        self.model, self.optimizer = acc.prepare(self.policy.model, optimizer)
+        acc.register_for_checkpointing(self.scheduler)  # stepped by us, once per optimizer step
+        self.reference = None
+        if cfg.beta > 0 and not self.policy.is_lora:
+            self.reference = load_reference(cfg).to(acc.device)
+
+        self.engine = HFGenerateEngine(
+            acc.unwrap_model(self.model),
+            self.tokenizer,
+            generation_batch_size=cfg.generation_batch_size,
+            max_prompt_length=cfg.max_prompt_length,
+        )
+        self.sampling = SamplingParams(
+            max_new_tokens=cfg.max_completion_length,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            stop_strings=tuple(cfg.stop_strings),
+        )
+        self.prompts = PromptStream(
+            self.train_rows, cfg.prompts_per_step, cfg.seed, acc.process_index, acc.num_processes
+        )
+        if cfg.report_to:
+            acc.init_trackers("pods", config={k: str(v) for k, v in cfg.to_dict().items()})
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> TrainResult:
+        cfg, acc = self.config, self.accelerator
+        n, m = cfg.num_generations, cfg.num_generations_kept
+        state = self._resume_or_start()
+        with TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time) as progress:
+            if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
+                self._evaluate(state, progress)
+            while not self._finished(state):
+                timer = StepTimer()
+                self._seed_step(state.step)
+                batch = self.prompts.batch(state.step)
+
+                with timer("generate"):  # 1. n completions per prompt
+                    rollouts = self.engine.generate(self._render(batch), n, self.sampling)
+                with timer("score"):  # 2. one scalar reward per completion: [P, n]
+                    rewards, per_function = self._score(batch, rollouts)
+                with timer("select"):  # 3. m of n per group, and 4. advantages over the kept
+                    kept = select(
+                        rewards, m, cfg.selection_rule, generator=self._selection_generator(state.step)
+                    )
+                    kept_rewards = rewards.gather(1, kept)
+                    advantages = group_advantages(kept_rewards, cfg.scale_rewards, cfg.advantage_eps)
+                    rows = (kept + n * torch.arange(len(batch)).unsqueeze(1)).flatten()
+                    kept_rollouts = rollouts.select(rows)
+                with timer("update"):  # 5. the GRPO update on the kept rows only
+                    update = self._update(kept_rollouts, advantages.flatten())
+
+                state.step += 1
+                state.train_seconds += self._synced(timer.total)
+                metrics = self._step_metrics(
+                    state, timer, rollouts, rewards, kept_rewards, per_function, update
+                )
+                self.metrics_log.append(metrics)
+                if cfg.report_to:
+                    acc.log(metrics, step=state.step)
+                progress.update(state.step, state.train_seconds, metrics)
+
+                if self._eval_due(state):
+                    self._evaluate(state, progress)
+                if self._save_due(state):
+                    self._save(state)
+
+            if state.last_eval_seconds != state.train_seconds and (
+                cfg.eval_at_start or cfg.eval_every_seconds
+            ):
+                self._evaluate(state, progress)
+            checkpoint = self._save(state) if cfg.save_final else None
+        if cfg.report_to:
+            acc.end_training()
+        from pods.metrics import read_jsonl
+
+        evals = read_jsonl(self.eval_log.path) if self.eval_log.path.is_file() else []
+        return TrainResult(self.output_dir, state.step, state.train_seconds, evals, checkpoint)
+
+    # ------------------------------------------------------------------ step pieces
+    def _render(self, batch: list[dict[str, Any]]) -> list[str]:
+        from pods.prompts import render_prompt
+
+        return [render_prompt(row["prompt"], self.tokenizer) for row in batch]
+
+    def _score(
+        self, batch: list[dict[str, Any]], rollouts: Rollouts
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        n = self.config.num_generations
+        columns = {key: [row[key] for row in batch for _ in range(n)] for key in batch[0] if key != "prompt"}
+        prompts = [row["prompt"] for row in batch for _ in range(n)]
+        completion_ids = [
+            ids[mask.bool()].tolist()
+            for ids, mask in zip(rollouts.completion_ids, rollouts.completion_mask, strict=True)
+        ]
+        total, per_function = score_completions(
+            self.reward_funcs, self.config.reward_weights, prompts, rollouts.texts, completion_ids, columns
+        )
+        shape = (len(batch), n)
+        return total.view(shape), {name: values.view(shape) for name, values in per_function.items()}
+
+    def _update(self, batch: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
+        """Gradient steps on the kept rows: micro-batches accumulated, ``num_iterations`` passes."""
+        cfg, acc, model = self.config, self.accelerator, self.model
+        device = acc.device
+        prompt_ids, prompt_mask = batch.prompt_ids.to(device), batch.prompt_mask.to(device)
+        completion_ids, mask = batch.completion_ids.to(device), batch.completion_mask.to(device)
+        advantages = advantages.to(device=device, dtype=torch.float32)
+        rows, micro = completion_ids.shape[0], cfg.micro_batch_size
+        temperature = cfg.temperature if cfg.temperature > 0 else 1.0
+        # dapo/bnpo divide by the tokens of the whole batch across processes; DDP averages gradients.
+        total_tokens = self._synced_sum(mask.sum().double()) / acc.num_processes
+
+        def logprobs_of(net: torch.nn.Module, part: slice) -> torch.Tensor:
+            return completion_logprobs(
+                net,
+                prompt_ids[part],
+                prompt_mask[part],
+                completion_ids[part],
+                mask[part],
+                temperature=temperature,
+            )
+
+        parts = [slice(start, start + micro) for start in range(0, rows, micro)]
+        old_logprobs = ref_logprobs = None
+        if cfg.num_iterations > 1:
+            with torch.no_grad():
+                old_logprobs = torch.cat([logprobs_of(model, part) for part in parts])
+        if cfg.beta > 0:
+            with torch.no_grad(), self._reference() as reference:
+                ref_logprobs = torch.cat([logprobs_of(reference, part) for part in parts])
+
+        model.train()
+        totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+        grad_norms = []
+        for _ in range(cfg.num_iterations):
+            for index, part in enumerate(parts):
+                last = index == len(parts) - 1
+                with contextlib.nullcontext() if last else acc.no_sync(model):
+                    out = policy_loss(
+                        logprobs_of(model, part),
+                        advantages[part],
+                        mask[part],
+                        old_logprobs=None if old_logprobs is None else old_logprobs[part],
+                        ref_logprobs=None if ref_logprobs is None else ref_logprobs[part],
+                        epsilon=cfg.epsilon,
+                        epsilon_high=cfg.epsilon_high,
+                        beta=cfg.beta,
+                        loss_type=cfg.loss_type,
+                        total_sequences=rows,
+                        total_tokens=float(total_tokens),
+                        max_completion_length=cfg.max_completion_length,
+                    )
+                    acc.backward(out.loss)
+                weight = 1 / (len(parts) * cfg.num_iterations)
+                totals["loss"] += out.loss.item() / cfg.num_iterations
+                totals["kl"] += out.kl.item() * weight
+                totals["clip_fraction"] += out.clip_fraction.item() * weight
+            grad_norms.append(float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return {**totals, "grad_norm": sum(grad_norms) / len(grad_norms)}
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The KL reference: the base with the LoRA adapter disabled, or a frozen copy for full fine-tuning."""
+        if self.reference is not None:
+            yield self.reference
+        else:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            with unwrapped.disable_adapter():
+                yield unwrapped
+
+    # ------------------------------------------------------------------ metrics
+    def _step_metrics(
+        self,
+        state: TrainerState,
+        timer: StepTimer,
+        rollouts: Rollouts,
+        rewards: torch.Tensor,
+        kept_rewards: torch.Tensor,
+        per_function: dict[str, torch.Tensor],
+        update: dict[str, float],
+    ) -> dict[str, Any]:
+        acc = self.accelerator
+        gather = lambda t: acc.gather(t.to(acc.device)).cpu()  # noqa: E731 - equal shapes on every process
+        all_rewards, kept = gather(rewards), gather(kept_rewards)
+        lengths = gather(rollouts.completion_mask.sum(dim=1).double())
+        truncated = gather(rollouts.truncated.double())
+        step_seconds = self._synced(timer.total)
+        metrics: dict[str, Any] = {
+            "step": state.step,
+            "epoch": round(self.prompts.epoch(state.step), 4),
+            "train_seconds": round(state.train_seconds, 3),
+            "reward_mean_all": all_rewards.mean().item(),
+            "reward_std_all": all_rewards.std(dim=1).mean().item() if all_rewards.shape[1] > 1 else 0.0,
+            "reward_mean_kept": kept.mean().item(),
+            "reward_std_kept": kept.std(dim=1).mean().item(),
+            "zero_variance_fraction_all": zero_variance_groups(all_rewards).double().mean().item(),
+            "zero_variance_fraction_kept": zero_variance_groups(kept).double().mean().item(),
+            "completion_length_mean": lengths.mean().item(),
+            "truncation_rate": truncated.mean().item(),
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            **{key: self._synced_mean(value) for key, value in update.items()},
+        }
+        for name, values in per_function.items():
+            metrics[f"reward/{name}"] = gather(torch.nan_to_num(values)).mean().item()
+        accuracy_name = reward_name(self.accuracy_fn)
+        if accuracy_name in per_function:
+            metrics["accuracy"] = (
+                (gather(torch.nan_to_num(per_function[accuracy_name])) > 0.5).double().mean().item()
+            )
+        for phase, seconds in timer.seconds.items():
+            metrics[f"seconds_{phase}"] = round(self._synced(seconds), 4)
+        metrics["seconds_step"] = round(step_seconds, 4)
+        metrics["tokens_per_second"] = round(lengths.sum().item() / max(step_seconds, 1e-9), 1)
+        metrics["peak_memory_mb"] = round(_peak_memory_mb(), 1)
+        return metrics
+
+    def _synced(self, seconds: float) -> float:
+        """The slowest process's value, so every process takes the same clock-based decisions."""
+        if self.accelerator.num_processes == 1:
+            return seconds
+        value = torch.tensor(seconds, dtype=torch.float64, device=self.accelerator.device)
+        return float(self.accelerator.reduce(value, "max"))
+
+    def _synced_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.accelerator.num_processes == 1:
+            return value
+        return self.accelerator.reduce(value.to(self.accelerator.device), "sum")
+
+    def _synced_mean(self, value: float) -> float:
+        total = self._synced_sum(torch.tensor(value, dtype=torch.float64))
+        return float(total) / self.accelerator.num_processes
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(self, state: TrainerState, progress: TrainingProgress) -> EvalResult | None:
+        cfg = self.config
+        if self.eval_dataset is None or len(self.eval_dataset) == 0:
+            return None
+        result = evaluate(
+            self.accelerator.unwrap_model(self.model),
+            self.tokenizer,
+            self.eval_dataset,
+            self.accuracy_fn,
+            protocol=cfg.eval_protocol,
+            samples=cfg.eval_samples,
+            temperature=cfg.eval_temperature,
+            max_new_tokens=cfg.max_completion_length,
+            batch_size=cfg.eval_batch_size,
+            prompt_style=cfg.prompt_style,
+            stop_strings=tuple(cfg.stop_strings),
+            accelerator=self.accelerator,
+        )
+        state.last_eval_seconds = state.train_seconds
+        state.best_accuracy = max(state.best_accuracy or 0.0, result.accuracy)
+        row = {"step": state.step, "train_seconds": round(state.train_seconds, 3), **result.to_dict()}
+        row["eval_seconds"] = row.pop("seconds")
+        self.eval_log.append(row)
+        if cfg.report_to:
+            self.accelerator.log(
+                {f"eval/{k}": v for k, v in row.items() if isinstance(v, int | float)}, step=state.step
+            )
+        progress.message(
+            f"eval at step {state.step} ({state.train_seconds:.0f}s of training): accuracy {result.accuracy:.1%}, "
+            f"format {result.format_accuracy:.1%} on {result.num_problems} problems ({result.protocol})"
+        )
+        return result
+
+    def _eval_due(self, state: TrainerState) -> bool:
+        every = self.config.eval_every_seconds
+        if every is None:
+            return False
+        return state.train_seconds - (state.last_eval_seconds or 0.0) >= every and not self._finished(state)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, state: TrainerState) -> Path:
+        state.last_save_seconds = state.train_seconds
+        return save_checkpoint(
+            self.accelerator, self.checkpoint_root, state, self.config.save_total_limit, export=self._export
+        )
+
+    def _export(self, folder: Path) -> None:
+        """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``."""
+        self.accelerator.unwrap_model(self.model).save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+
+    def _save_due(self, state: TrainerState) -> bool:
+        cfg = self.config
+        if self._finished(state):
+            return False  # the final save follows
+        by_steps = cfg.save_every_steps is not None and state.step % cfg.save_every_steps == 0
+        by_time = cfg.save_every_seconds is not None and (
+            state.train_seconds - state.last_save_seconds >= cfg.save_every_seconds
+        )
+        return by_steps or by_time
+
+    def _resume_or_start(self) -> TrainerState:
+        source = self.config.resume_from
+        if self.accelerator.is_main_process:
+            remove_partial_checkpoints(self.checkpoint_root)
+        self.accelerator.wait_for_everyone()
+        if source is None:
+            if latest_checkpoint(self.checkpoint_root) is not None:
+                raise ConfigError(
+                    f"output_dir: {self.output_dir} already holds checkpoints; continue it with resume_from: auto, "
+                    "or choose another output_dir"
+                )
+            self.metrics_log.reset()
+            self.eval_log.reset()
+            return TrainerState()
+        folder = self._checkpoint_to_resume(source)
+        if folder is None:
+            return TrainerState()
+        state = load_checkpoint(self.accelerator, folder)
+        self.metrics_log.truncate_after(state.step)
+        if state.last_eval_seconds is not None:
+            self.eval_log.truncate_after(state.step)
+        return state
+
+    def _checkpoint_to_resume(self, source: str) -> Path | None:
+        if source == "auto":
+            return latest_checkpoint(self.checkpoint_root)
+        path = Path(source)
+        if (path / "trainer_state.json").is_file():
+            return path
+        found = latest_checkpoint(path / "checkpoints")
+        if found is None:
+            raise ConfigError(
+                f"resume_from: no complete checkpoint in {path} (expected {path}/checkpoints/step-N)"
+            )
+        return found
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _finished(self, state: TrainerState) -> bool:
+        cfg = self.config
+        return (cfg.max_steps is not None and state.step >= cfg.max_steps) or (
+            cfg.max_time is not None and state.train_seconds >= cfg.max_time
+        )
+
+    def _seed_step(self, step: int) -> None:
+        """Reseed per step (and process): sampling after a resume matches an uninterrupted run exactly."""
+        torch.manual_seed((self.config.seed * 1_000_003 + step) * 64 + self.accelerator.process_index)
+
+    def _selection_generator(self, step: int) -> torch.Generator:
+        return torch.Generator().manual_seed(
+            self.config.seed * 7_919 + step * 64 + self.accelerator.process_index
+        )
+
+    def _pick_output_dir(self) -> str:
+        cfg = self.config
+        if cfg.output_dir:
+            return cfg.output_dir
+        if cfg.resume_from and cfg.resume_from != "auto":
+            path = Path(cfg.resume_from)
+            return str(path.parent.parent if (path / "trainer_state.json").is_file() else path)
+        return str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+    def _load_rows(
+        self, dataset: Any, task: str, source: str | None, split: str, limit: int | None
+    ) -> list[dict]:
+        if dataset is None:
+            from pods.data import load_task
+
+            dataset = load_task(
+                task,
+                split,
+                source=source,
+                prompt_style=self.config.prompt_style,
+                tokenizer=self.tokenizer,
+                max_prompt_tokens=self.config.max_prompt_length,
+                limit=limit,
+                seed=self.config.seed,
+            )
+        return [dataset[i] for i in range(len(dataset))]
+
+    def _load_eval_dataset(self) -> Any:
+        cfg = self.config
+        if not cfg.eval_at_start and cfg.eval_every_seconds is None:
+            return None
+        from pods.data import load_task
+
+        return load_task(
+            cfg.eval_task or cfg.task,
+            cfg.eval_split,
+            source=cfg.eval_source if cfg.eval_task else (cfg.eval_source or cfg.task_source),
+            prompt_style=cfg.prompt_style,
+            tokenizer=self.tokenizer,
+            max_prompt_tokens=cfg.max_prompt_length,
+            limit=cfg.eval_limit,
+            seed=cfg.seed,
+        )
+
+    def _accuracy_function(self) -> RewardFunction:
+        from pods.rewards import REWARD_FUNCTIONS
+
+        task = self.config.eval_task or self.config.task
+        return REWARD_FUNCTIONS[ACCURACY_REWARDS.get(task, "accuracy")]
+
+    def _make_optimizer(self, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        cfg = self.config
+        kwargs = {
+            "lr": cfg.learning_rate,
+            "betas": (cfg.adam_beta1, cfg.adam_beta2),
+            "weight_decay": cfg.weight_decay,
+        }
+        if cfg.optimizer == "adamw_8bit":
+            try:
+                import bitsandbytes as bnb
+            except ImportError:
+                raise ConfigError(
+                    "optimizer: adamw_8bit needs bitsandbytes (pip install bitsandbytes)"
+                ) from None
+            return bnb.optim.AdamW8bit(parameters, **kwargs)
+        return torch.optim.AdamW(parameters, **kwargs)
+
+    def _make_scheduler(self, optimizer: torch.optim.Optimizer):
+        from transformers import get_scheduler
+
+        cfg = self.config
+        total = (cfg.max_steps or 1) * cfg.num_iterations
+        warmup = math.ceil(cfg.warmup_ratio * total) if cfg.max_steps else 0
+        name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
+        return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+
+
+def _peak_memory_mb() -> float:
+    """Peak accelerator memory since the last call (GPU), else the process's peak resident memory (CPU)."""
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def train(config: TrainConfig, **kwargs: Any) -> TrainResult:
+    """Build a :class:`PODSTrainer` from ``config`` and run it."""
+    return PODSTrainer(config, **kwargs).train()

@@ -1,0 +1,76 @@
+"""Train the tiny test model for a few steps; used by the tests as a real subprocess (crashes, 2 processes).
+
+    python tests/scripts/tiny_run.py MODEL_DIR OUTPUT_DIR '{"max_steps": 4, ...}'
+    accelerate launch --cpu --num_processes 2 tests/scripts/tiny_run.py MODEL_DIR OUTPUT_DIR '{...}'
+
+Prints one line per process: ``RESULT <rank> <steps> <parameter checksum> <first prompt of step 0>``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from datasets import Dataset
+
+from pods.config import TrainConfig
+from pods.trainer import PODSTrainer
+
+
+def count_of_a(prompts, completions, completion_ids=None, **columns) -> list[float]:
+    """A reward the tiny model can learn: the fraction of characters that are 'a'."""
+    return [text.count("a") / max(len(text), 1) for text in completions]
+
+
+def low_token_ids(prompts, completions, completion_ids=None, **columns) -> list[float]:
+    """A token-level reward a random tiny model learns in a few dozen steps: share of ids below 160."""
+    return [sum(token < 160 for token in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def tiny_dataset(size: int = 64) -> Dataset:
+    questions = [f"Question {i}: say a{'b' * (i % 5)}" for i in range(size)]
+    return Dataset.from_dict(
+        {"prompt": questions, "question": questions, "answer": [str(i) for i in range(size)]}
+    )
+
+
+def main() -> None:
+    model_dir, output_dir, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    settings = {
+        "model": model_dir,
+        "output_dir": output_dir,
+        "num_generations": 4,
+        "num_generations_kept": 2,
+        "prompts_per_step": 2,
+        "micro_batch_size": 2,
+        "max_completion_length": 8,
+        "learning_rate": 1e-3,
+        "max_time": None,
+        "max_steps": 2,
+        "eval_at_start": False,
+        "eval_every_seconds": None,
+        "save_every_seconds": None,
+        "progress": False,
+        **overrides,
+    }
+    trainer = PODSTrainer(
+        TrainConfig.from_dict(settings), reward_funcs=[count_of_a], train_dataset=tiny_dataset()
+    )
+    first_prompt = trainer.prompts.batch(0)[0]["question"]
+    print(f"distributed: {trainer.accelerator.distributed_type.value}", flush=True)
+    result = trainer.train()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    checksum = sum(float(p.double().sum()) * (i + 1) for i, p in enumerate(model.parameters()))
+    print(
+        f"RESULT {trainer.accelerator.process_index} {result.steps} {checksum:.12e} {first_prompt!r}",
+        flush=True,
+    )
+    torch.save(
+        {k: v.detach().clone() for k, v in model.state_dict().items()},
+        f"{output_dir}/weights-rank{trainer.accelerator.process_index}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""The PODS trainer on a tiny real model: every rule and loss type, LoRA and full fine-tuning, learning,
+exact resume after a crash, a crash while checkpointing, and two processes under ``accelerate launch``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pods.checkpoint import list_checkpoints
+from pods.config import ConfigError, TrainConfig
+from pods.metrics import TIMING_KEYS, read_jsonl
+from pods.trainer import PODSTrainer
+
+SCRIPT = Path(__file__).parent / "scripts" / "tiny_run.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from tiny_run import count_of_a, low_token_ids, tiny_dataset  # noqa: E402
+
+
+def tiny_config(model_dir: Path, output_dir: Path, **overrides) -> TrainConfig:
+    settings = {
+        "model": str(model_dir),
+        "output_dir": str(output_dir),
+        "num_generations": 4,
+        "num_generations_kept": 2,
+        "prompts_per_step": 2,
+        "micro_batch_size": 2,
+        "max_completion_length": 8,
+        "learning_rate": 1e-3,
+        "max_time": None,
+        "max_steps": 2,
+        "eval_at_start": False,
+        "eval_every_seconds": None,
+        "save_every_seconds": None,
+        "progress": False,
+        **overrides,
+    }
+    return TrainConfig.from_dict(settings)
+
+
+def run_tiny(model_dir: Path, output_dir: Path, **overrides):
+    trainer = PODSTrainer(
+        tiny_config(model_dir, output_dir, **overrides),
+        reward_funcs=[count_of_a],
+        train_dataset=tiny_dataset(),
+    )
+    return trainer, trainer.train()
+
+
+def trainable_snapshot(trainer: PODSTrainer) -> dict[str, torch.Tensor]:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"selection_rule": "max_variance"},
+        {"selection_rule": "max_reward"},
+        {"selection_rule": "random"},
+        {"selection_rule": "all", "num_generations_kept": 4, "micro_batch_size": 4},
+        {"loss_type": "bnpo"},
+        {"loss_type": "dapo"},
+        {"loss_type": "dr_grpo", "scale_rewards": "none"},
+        {"lora_r": 4, "lora_alpha": 8},
+        {"lora_r": 4, "beta": 0.1},
+        {
+            "beta": 0.1,
+            "num_iterations": 2,
+            "micro_batch_size": 1,
+            "lr_scheduler_type": "cosine",
+            "warmup_ratio": 0.5,
+        },
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_a_few_real_steps(tiny_model_dir: Path, tmp_path: Path, overrides: dict) -> None:
+    trainer = PODSTrainer(
+        tiny_config(tiny_model_dir, tmp_path, **overrides),
+        reward_funcs=[count_of_a],
+        train_dataset=tiny_dataset(),
+    )
+    before = trainable_snapshot(trainer)
+    result = trainer.train()
+    after = trainable_snapshot(trainer)
+    assert result.steps == 2
+    assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter moved"
+    if "lora_r" in overrides:
+        assert all("lora_" in name for name in before)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+    for key in (
+        "reward_mean_all",
+        "reward_mean_kept",
+        "zero_variance_fraction_all",
+        "grad_norm",
+        "kl",
+        "loss",
+    ):
+        assert key in rows[-1] and rows[-1][key] is not None
+    if overrides.get("selection_rule", "max_variance") == "max_variance":
+        assert all(row["reward_std_kept"] >= row["reward_std_all"] - 1e-9 for row in rows)
+    if overrides.get("beta"):
+        assert rows[-1]["kl"] > 0
+    assert (tmp_path / "config.yaml").is_file()
+    checkpoint = list_checkpoints(tmp_path / "checkpoints")[-1]
+    assert (checkpoint / "model").is_dir()
+
+
+def test_mean_reward_rises(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=20,
+        num_generations=8,
+        num_generations_kept=4,
+        prompts_per_step=4,
+        micro_batch_size=16,
+        learning_rate=1e-2,
+        save_final=False,
+    )
+    PODSTrainer(config, reward_funcs=[low_token_ids], train_dataset=tiny_dataset()).train()
+    rewards = [row["reward_mean_all"] for row in read_jsonl(tmp_path / "metrics.jsonl")]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.2, rewards
+
+
+def _run_script(
+    model_dir: Path, output: Path, settings: dict, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(model_dir), str(output), json.dumps(settings)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _learning_metrics(path: Path) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in read_jsonl(path)]
+
+
+def test_resume_after_a_crash_is_exact(tiny_model_dir: Path, tmp_path: Path) -> None:
+    settings = {"max_steps": 6, "save_every_steps": 2, "selection_rule": "random", "num_iterations": 2}
+    straight = _run_script(tiny_model_dir, tmp_path / "straight", settings)
+    assert straight.returncode == 0, straight.stderr
+
+    # Crash half-way through writing the step-4 checkpoint: metrics for steps 3-4 were already logged.
+    crashed = _run_script(tiny_model_dir, tmp_path / "resumed", settings, env={"PODS_CRASH_DURING_SAVE": "4"})
+    assert crashed.returncode == 17, crashed.stderr
+    assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "checkpoints")] == ["step-0000002"]
+    assert len(read_jsonl(tmp_path / "resumed" / "metrics.jsonl")) == 4
+
+    resumed = _run_script(tiny_model_dir, tmp_path / "resumed", {**settings, "resume_from": "auto"})
+    assert resumed.returncode == 0, resumed.stderr
+    assert not list((tmp_path / "resumed" / "checkpoints").glob(".partial-*"))
+
+    a = torch.load(tmp_path / "straight" / "weights-rank0.pt")
+    b = torch.load(tmp_path / "resumed" / "weights-rank0.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    straight_rows = _learning_metrics(tmp_path / "straight" / "metrics.jsonl")
+    resumed_rows = _learning_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [row["step"] for row in resumed_rows] == [1, 2, 3, 4, 5, 6]
+    assert straight_rows == resumed_rows
+
+
+def test_two_processes_keep_identical_parameters(tiny_model_dir: Path, tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",  # with ACCELERATE_USE_CPU: torchrun over 2 CPU processes, gloo backend
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(SCRIPT),
+        str(tiny_model_dir),
+        str(tmp_path),
+        json.dumps({"max_steps": 2}),
+    ]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MULTI_CPU" in result.stdout
+    lines = sorted(line.split(" ", 4) for line in result.stdout.splitlines() if line.startswith("RESULT"))
+    assert [line[1] for line in lines] == ["0", "1"]
+    assert lines[0][2] == lines[1][2] == "2"
+    assert lines[0][4] != lines[1][4], "both processes trained on the same prompts"
+    rank0 = torch.load(tmp_path / "weights-rank0.pt")
+    rank1 = torch.load(tmp_path / "weights-rank1.pt")
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+
+
+def test_configuration_errors_before_any_work(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        PODSTrainer(
+            tiny_config(tmp_path / "no-model", tmp_path),
+            reward_funcs=[count_of_a],
+            train_dataset=tiny_dataset(),
+        )
+    with pytest.raises(ValueError, match="unknown selection rule"):
+        PODSTrainer(
+            tiny_config(tiny_model_dir, tmp_path, selection_rule="best"),
+            reward_funcs=[count_of_a],
+            train_dataset=tiny_dataset(),
+        )
+
+
+def test_a_reward_function_that_raises_is_named(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from pods.scoring import RewardFunctionError
+
+    def broken_reward(prompts, completions, **columns):
+        raise KeyError("solution")
+
+    trainer = PODSTrainer(
+        tiny_config(tiny_model_dir, tmp_path), reward_funcs=[broken_reward], train_dataset=tiny_dataset()
+    )
+    with pytest.raises(RewardFunctionError, match="'broken_reward' raised KeyError"):
+        trainer.train()
+
+
+def test_existing_checkpoints_are_never_overwritten_silently(tiny_model_dir: Path, tmp_path: Path) -> None:
+    run_tiny(tiny_model_dir, tmp_path, max_steps=1)
+    with pytest.raises(ConfigError, match="resume_from: auto"):
+        run_tiny(tiny_model_dir, tmp_path, max_steps=1)
+    _, result = run_tiny(tiny_model_dir, tmp_path, max_steps=2, resume_from="auto")
+    assert result.steps == 2
+    assert [row["step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
