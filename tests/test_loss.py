@@ -132,6 +132,27 @@ def test_completion_logprobs_gradients_flow_and_work_with_lora(tiny):
     assert lora_grads and all(g is not None and g.abs().sum() > 0 for g in lora_grads)
 
 
+def test_completion_logprobs_through_a_ddp_wrapper(tiny, tmp_path):
+    """The trainer calls the DDP-wrapped model (for gradient sync): logits_to_keep must still be found."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from pods.loss import _accepts_logits_to_keep
+
+    model, tokenizer = tiny
+    _, _, batch = _padded_batch(tokenizer)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        wrapped = DistributedDataParallel(copy.deepcopy(model))
+        assert _accepts_logits_to_keep(wrapped)
+        with torch.no_grad():
+            torch.testing.assert_close(
+                completion_logprobs(wrapped, *batch), completion_logprobs(model, *batch)
+            )
+    finally:
+        dist.destroy_process_group()
+
+
 def test_completion_logprobs_rejects_mismatched_batches(tiny):
     model, tokenizer = tiny
     _, _, (pi, pm, ci, cm) = _padded_batch(tokenizer)

@@ -103,8 +103,12 @@ def selected_token_logprobs(
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the (peft-unwrapped) model's forward takes ``logits_to_keep``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    """Whether the model's forward, under DDP/FSDP/DeepSpeed (``.module``) and peft wrappers, takes
+    ``logits_to_keep``."""
+    base = model
+    while isinstance(getattr(base, "module", None), torch.nn.Module):
+        base = base.module
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 

@@ -45,7 +45,11 @@ class SamplingParams:
 
 @dataclass
 class Rollouts:
-    """n completions for each of P prompts, prompt-major: row ``p * n + i`` is completion i of prompt p."""
+    """n completions for each of P prompts, prompt-major: row ``p * n + i`` is completion i of prompt p.
+
+    Engines return the tensors on the CPU (small; decoding needs them there anyway);
+    :func:`pods.loss.completion_logprobs` moves each micro-batch to the model's device.
+    """
 
     prompt_ids: torch.Tensor  # [P*n, Lp] left-padded with the pad id (each prompt repeated n times)
     prompt_mask: torch.Tensor  # [P*n, Lp] 1 for real tokens

@@ -14,8 +14,8 @@ class _RecordStops(StoppingCriteria):
     """HF's stop-string criterion on the completion only (a prompt ending in "\\n" must not let a first
     "\\n" match "\\n\\n"), remembering how many new tokens each row had when it first matched."""
 
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...], prompt_length: int, rows: int) -> None:
-        self.inner = StopStringCriteria(tokenizer=tokenizer, stop_strings=list(stop_strings))
+    def __init__(self, inner: StopStringCriteria, prompt_length: int, rows: int) -> None:
+        self.inner = inner
         self.prompt_length = prompt_length
         self.stop_length = torch.full((rows,), -1, dtype=torch.long)
 
@@ -55,6 +55,7 @@ class HFGenerateEngine:
         self.add_special_tokens = add_special_tokens
         self.eos_token_ids = self._eos_token_ids()
         self.pad_token_id = self._pad_token_id()
+        self._stop_criteria: dict[tuple[str, ...], StopStringCriteria] = {}  # building one scans the vocab
 
     def _eos_token_ids(self) -> list[int]:
         """The tokenizer's EOS plus every EOS id of the model's generation config."""
@@ -178,7 +179,11 @@ class HFGenerateEngine:
         rows, prompt_length = ids.shape
         stops = None
         if sampling.stop_strings:
-            stops = _RecordStops(self.tokenizer, sampling.stop_strings, prompt_length, rows)
+            if sampling.stop_strings not in self._stop_criteria:
+                self._stop_criteria[sampling.stop_strings] = StopStringCriteria(
+                    tokenizer=self.tokenizer, stop_strings=list(sampling.stop_strings)
+                )
+            stops = _RecordStops(self._stop_criteria[sampling.stop_strings], prompt_length, rows)
         output = self.model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
