@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 
-from pods.integrations.trl import PODSConfig, PODSTrainer
+from pods.advantages import group_advantages
+from pods.integrations.trl import PODSConfig, PODSTrainer, kept_row_indices
+from pods.selection import select
+
+SEEN: list[list[int]] = []  # this process's completions, in the order the reward function saw them
 
 
 def token_sum_reward(completion_ids: list[list[int]], **kwargs) -> list[float]:
     """A reward with spread: the completion's token-id sum modulo 4."""
+    SEEN.extend(completion_ids)
     return [float(sum(ids) % 4) for ids in completion_ids]
 
 
@@ -36,9 +42,21 @@ class CheckedPODSTrainer(PODSTrainer):
         assert len(everyone) == 2 and not set(everyone[0]) & set(everyone[1]), (
             f"processes share a group: {everyone}"
         )
+        SEEN.clear()
         batch = super()._generate_and_score_completions(inputs)
         assert batch["completion_ids"].shape[0] == len(groups) * m, "selection did not keep m rows per group"
-        assert batch["advantages"].shape[0] == len(groups) * m
+        # The kept rows are this process's own completions, the max-variance m of each local group.
+        rewards = torch.tensor([float(sum(ids) % 4) for ids in SEEN]).view(len(groups), n)
+        kept = select(rewards, m, "max_variance")
+        expected = [SEEN[row] for row in kept_row_indices(kept, n).tolist()]
+        rows = zip(batch["completion_ids"], batch["completion_mask"], strict=True)
+        assert [ids[mask.bool()].tolist() for ids, mask in rows] == expected, (
+            "kept rows are not the local selection"
+        )
+        assert torch.equal(batch["advantages"], group_advantages(rewards.gather(1, kept)).view(-1))
+        assert batch["num_items_in_batch"].item() == sum(
+            gather_object([batch["completion_mask"].sum().item()])
+        )
         self.checks += 1
         return batch
 
