@@ -205,6 +205,8 @@ def test_generation_batch_keeps_the_selected_rows_of_each_group(tiny_model_dir, 
         best = max(rewards[group, list(pair)].var().item() for pair in itertools.combinations(range(4), 2))
         assert kept_rewards[group].var().item() == pytest.approx(best)
     assert trainer._metrics["train"]["pods/reward_mean_all"] == [pytest.approx(rewards.mean().item())]
+    logged = torch.tensor(list(trainer._logs["advantages"])).view(4, 4)  # completions table: NaN = dropped
+    assert torch.equal(logged.isnan().logical_not().nonzero()[:, 1].view(4, 2), expected)
 
     trainer.model.eval()  # evaluation is TRL's, untouched: every completion comes back
     assert trainer._generate_and_score_completions(inputs)["completion_ids"].shape[0] == 16

@@ -296,6 +296,10 @@ class PODSTrainer(GRPOTrainer):
         batch = take_rows(batch, kept_row_indices(kept[mine], n), local_rows)
         if m < n:
             batch["advantages"] = advantages[mine].reshape(-1).to(trl_advantages)
+            # The completions table (log_completions) lists all n: show the advantage trained on, NaN if dropped.
+            logged = torch.full_like(rewards, float("nan")).scatter_(1, kept, advantages.to(rewards.dtype))
+            self._logs["advantages"].clear()
+            self._logs["advantages"].extend(logged.reshape(-1).tolist())
         # With m == n every row is kept and TRL's advantages are already those of the kept set (same formula;
         # TRL computes them in float32 where we use float64): keep TRL's bits so that m == n is exactly GRPO.
         loss_mask = batch["completion_mask"]
