@@ -17,7 +17,7 @@ def _reference_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: fl
     return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3, 7, 10_000])
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 10_000, None])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_selected_token_logprobs_matches_log_softmax_and_its_gradient(chunk_size, temperature):
     gen = torch.Generator().manual_seed(0)

@@ -74,6 +74,8 @@ def test_eos_ids_from_the_generation_config_end_completions(tiny):
     model, tokenizer = tiny
     greedy = SamplingParams(max_new_tokens=12, temperature=0)
     reference = HFGenerateEngine(model, tokenizer).generate(PROMPTS, 1, greedy)
+    # the random tiny model never says EOS in 12 greedy tokens: both rows hit max_new_tokens
+    assert reference.truncated.tolist() == [True, True] and reference.completion_lengths.tolist() == [12, 12]
     row = reference.completion_ids[0].tolist()
     stop_token = row[3]
     first = row.index(stop_token)
@@ -216,3 +218,5 @@ def test_select_keeps_rows_and_shrinks_padding(tiny):
     assert (r.select([0, 1, 4]).num_prompts, r.select([0, 1, 4]).num_generations) == (3, 1)  # uneven: flat
     with pytest.raises(ValueError, match=r"\[0, 8\)"):
         r.select([8])
+    with pytest.raises(ValueError, match="boolean mask"):
+        r.select(torch.ones(8, dtype=torch.bool))

@@ -26,7 +26,9 @@ __all__ = [
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 
-DEFAULT_CHUNK_SIZE = 256  # tokens per chunk: 256 x 151k vocab x 4 bytes = 155 MB of float32 scratch
+# Default chunk: about 2**23 logits (32 MiB per float32 scratch buffer), i.e. 55 tokens of a 151k vocabulary,
+# 262 tokens of a 32k one, everything at once for a tiny test vocabulary.
+CHUNK_ELEMENTS = 2**23
 
 
 def _chunks(batch: int, length: int, chunk_size: int):
@@ -81,12 +83,13 @@ class _SelectedLogProbs(torch.autograd.Function):
 
 
 def selected_token_logprobs(
-    logits: Tensor, token_ids: Tensor, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
+    logits: Tensor, token_ids: Tensor, temperature: float = 1.0, chunk_size: int | None = None
 ) -> Tensor:
     """``log softmax(logits / temperature)`` at ``token_ids``: ``[B, L, V], [B, L] -> [B, L]`` in float32.
 
-    Computed in chunks of about ``chunk_size`` tokens (gather the chosen logit, subtract the log-sum-exp),
-    so neither the forward nor the backward pass materialises a full ``[B, L, V]`` log-softmax.
+    Computed in chunks of about ``chunk_size`` tokens (default: ``CHUNK_ELEMENTS // V``), gathering the
+    chosen logit and subtracting the log-sum-exp, so neither the forward nor the backward pass
+    materialises a full ``[B, L, V]`` log-softmax.
     """
     if logits.ndim != 3 or token_ids.shape != logits.shape[:2]:
         raise ValueError(
@@ -97,8 +100,10 @@ def selected_token_logprobs(
         raise ValueError(f"logits must be a floating-point tensor, got {logits.dtype}.")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}.")
+    if chunk_size is None:
+        chunk_size = max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
     if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+        raise ValueError(f"chunk_size must be >= 1 (tokens per chunk) or None, got {chunk_size}.")
     return _SelectedLogProbs.apply(logits, token_ids.long(), float(temperature), int(chunk_size))
 
 
@@ -121,7 +126,7 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     micro_batch_size: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
 ) -> Tensor:
     """Log-probs ``[B, Lc]`` (float32) of ``completion_ids`` under ``model`` given left-padded prompts.
 

@@ -103,6 +103,8 @@ class Rollouts:
         ``num_generations`` = rows kept per prompt; any other selection (e.g. an arbitrary micro-batch)
         gets ``num_prompts = len(rows)`` and ``num_generations = 1``.
         """
+        if isinstance(rows, torch.Tensor) and rows.dtype == torch.bool:
+            raise ValueError("rows must be row indices, not a boolean mask; pass mask.nonzero().squeeze(1).")
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.completion_ids.device)
         if rows.ndim != 1:
             raise ValueError(f"rows must be a 1-D tensor of row indices, got shape {tuple(rows.shape)}.")
