@@ -192,6 +192,7 @@ def test_bad_input_is_rejected_with_a_clear_message(tiny):
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="stop_strings"):
         SamplingParams(stop_strings="</answer>")
+    assert SamplingParams(stop_strings=["</answer>"]).stop_strings == ("</answer>",)  # hashable, frozen
     with pytest.raises(ValueError, match="generation_batch_size"):
         HFGenerateEngine(model, tokenizer, generation_batch_size=0)
 

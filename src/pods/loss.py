@@ -117,6 +117,12 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
+def _last_used_column(mask: Tensor) -> int:
+    """Index of the last column where some row of ``mask`` is nonzero (-1 when there is none)."""
+    columns = mask.any(dim=0).nonzero()
+    return int(columns.max()) if columns.numel() else -1
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     prompt_ids: Tensor,
@@ -134,7 +140,8 @@ def completion_logprobs(
     Inputs may live on the CPU (as :class:`pods.rollout.Rollouts` does): each micro-batch is moved to the
     model's device, and the result is on that device.
     Gradients flow unless the caller wraps this in ``torch.no_grad()`` (as it should for old/ref
-    log-probs). Values at masked completion positions are finite but meaningless.
+    log-probs). Values at masked completion positions are finite but meaningless (0 past the longest
+    completion of a micro-batch).
     """
     if prompt_ids.ndim != 2 or prompt_mask.shape != prompt_ids.shape:
         raise ValueError(
@@ -154,32 +161,34 @@ def completion_logprobs(
         raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}.")
 
     batch, num_completion = completion_ids.shape
-    if batch == 0 or num_completion == 0:
-        return torch.zeros(batch, num_completion, dtype=torch.float32, device=completion_ids.device)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()
-    keep_kwargs = {"logits_to_keep": num_completion + 1} if _accepts_logits_to_keep(model) else {}
-
+    if batch and int(prompt_mask.sum(dim=1).min()) == 0:
+        raise ValueError("every row needs at least one prompt token: it predicts the first completion token.")
     device = next(model.parameters()).device
+    if batch == 0 or num_completion == 0:
+        return torch.zeros(batch, num_completion, dtype=torch.float32, device=device)
+    use_logits_to_keep = _accepts_logits_to_keep(model)
+
     step = micro_batch_size or batch
     parts = []
     for start in range(0, batch, step):
-        ids, mask = (
-            input_ids[start : start + step].to(device),
-            attention_mask[start : start + step].to(device),
-        )
-        # Drop the leading columns that are padding in every row of this micro-batch (pure speed-up).
-        first = int(mask.any(dim=0).long().argmax())
-        first = min(first, prompt_ids.shape[1])
-        ids, mask = ids[:, first:], mask[:, first:]
+        rows = slice(start, start + step)
+        # Trim columns that are padding in every row of this micro-batch: leading prompt padding and
+        # trailing completion padding (pure speed-up: positions come from the mask).
+        first = int(prompt_mask[rows].any(dim=0).long().argmax())
+        width = max(1, _last_used_column(completion_mask[rows]) + 1)
+        ids = torch.cat([prompt_ids[rows, first:], completion_ids[rows, :width]], dim=1).to(device)
+        mask = torch.cat([prompt_mask[rows, first:], completion_mask[rows, :width]], dim=1).long().to(device)
         position_ids = (mask.cumsum(dim=1) - 1).clamp_min(0)
+        keep = {"logits_to_keep": width + 1} if use_logits_to_keep else {}
         logits = model(
-            input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **keep_kwargs
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **keep
         ).logits
-        # The logit at position t predicts token t + 1: the last Lc + 1 logits minus the final one.
-        logits = logits[:, -(num_completion + 1) : -1]
-        targets = completion_ids[start : start + step].to(device)
-        parts.append(selected_token_logprobs(logits, targets, temperature, chunk_size))
+        # The logit at position t predicts token t + 1: the last width + 1 logits minus the final one.
+        logits = logits[:, -(width + 1) : -1]
+        part = selected_token_logprobs(
+            logits, completion_ids[rows, :width].to(device), temperature, chunk_size
+        )
+        parts.append(torch.nn.functional.pad(part, (0, num_completion - width)))
     return torch.cat(parts, dim=0)
 
 

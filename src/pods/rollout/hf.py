@@ -145,9 +145,8 @@ class HFGenerateEngine:
         ids = torch.full((len(encoded), longest), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(encoded), longest), dtype=torch.long)
         for row, tokens in enumerate(encoded):
-            if tokens:
-                ids[row, -len(tokens) :] = torch.tensor(tokens)
-                mask[row, -len(tokens) :] = 1
+            ids[row, -len(tokens) :] = torch.tensor(tokens)
+            mask[row, -len(tokens) :] = 1
         return ids, mask
 
     def _generation_config(self, sampling: SamplingParams) -> GenerationConfig:
@@ -172,7 +171,14 @@ class HFGenerateEngine:
             options["min_p"] = 0.0
         return GenerationConfig(**options)
 
-    def _generate_chunk(self, ids, mask, config, sampling, device):
+    def _generate_chunk(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        config: GenerationConfig,
+        sampling: SamplingParams,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Generate for one chunk; return (new tokens [rows, W], lengths [rows], truncated [rows])."""
         first = int(mask.any(dim=0).long().argmax())  # drop columns that are padding in every row
         ids, mask = ids[:, first:], mask[:, first:]
