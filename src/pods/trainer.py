@@ -147,7 +147,13 @@ class PODSTrainer:
         precision = cfg.mixed_precision
         if precision == "auto":
             precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-        self.accelerator = Accelerator(mixed_precision=precision, log_with=cfg.report_to or None)
+        # Each optimizer step accumulates the micro-batches of the kept rows (same count on every process).
+        micro_batches = cfg.prompts_per_step * cfg.num_generations_kept // cfg.micro_batch_size
+        self.accelerator = Accelerator(
+            mixed_precision=precision,
+            log_with=cfg.report_to or None,
+            gradient_accumulation_steps=micro_batches,
+        )
         acc = self.accelerator
         self.output_dir = Path(broadcast_object_list([self._pick_output_dir()])[0])
         if acc.is_main_process:
@@ -307,9 +313,11 @@ class PODSTrainer:
         totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
         grad_norms = []
         for _ in range(cfg.num_iterations):
-            for index, part in enumerate(parts):
-                last = index == len(parts) - 1
-                with contextlib.nullcontext() if last else acc.no_sync(model):
+            for part in parts:
+                # accelerate syncs gradients (DDP / DeepSpeed / FSDP) and lets the optimizer step only on
+                # the last micro-batch of each pass; it divides the loss by the number of micro-batches,
+                # which our loss already accounts for (each part is its share of the batch loss).
+                with acc.accumulate(model):
                     out = policy_loss(
                         logprobs_of(model, part),
                         advantages[part],
@@ -324,15 +332,17 @@ class PODSTrainer:
                         total_tokens=float(total_tokens),
                         max_completion_length=cfg.max_completion_length,
                     )
-                    acc.backward(out.loss)
+                    acc.backward(out.loss * acc.gradient_accumulation_steps)
+                    if acc.sync_gradients:
+                        grad_norms.append(float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
+                    self.optimizer.step()
+                    if acc.sync_gradients:
+                        self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
                 weight = 1 / (len(parts) * cfg.num_iterations)
                 totals["loss"] += out.loss.item() / cfg.num_iterations
                 totals["kl"] += out.kl.item() * weight
                 totals["clip_fraction"] += out.clip_fraction.item() * weight
-            grad_norms.append(float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
         return {**totals, "grad_norm": sum(grad_norms) / len(grad_norms)}
 
     @contextlib.contextmanager
