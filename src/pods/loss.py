@@ -245,15 +245,8 @@ def policy_loss(
     _check_same_shape("ref_logprobs", ref_logprobs, logprobs.shape)
     if advantages.ndim == 1:
         advantages = advantages.unsqueeze(1)
-    if (
-        advantages.ndim != 2
-        or advantages.shape[0] != logprobs.shape[0]
-        or advantages.shape[1]
-        not in (
-            1,
-            logprobs.shape[1],
-        )
-    ):
+    batch, length = logprobs.shape
+    if advantages.ndim != 2 or advantages.shape[0] != batch or advantages.shape[1] not in (1, length):
         raise ValueError(
             f"advantages must be [B] or [B, L] with B, L = {tuple(logprobs.shape)}, got {tuple(advantages.shape)}."
         )
@@ -271,18 +264,23 @@ def policy_loss(
     if loss_type == "dr_grpo" and max_completion_length <= 0:
         raise ValueError(f"max_completion_length must be > 0 for dr_grpo, got {max_completion_length}.")
 
-    mask = mask.bool()
-    # Zero the masked positions first, so that -inf/NaN there cannot leak into values or gradients.
+    # Everything joins logprobs' device (rollout masks live on the CPU). Masked positions are zeroed
+    # first, so that -inf/NaN there cannot leak into values or gradients.
+    device = logprobs.device
+    mask = mask.to(device).bool()
     logprobs = logprobs.float().masked_fill(~mask, 0.0)
-    advantages = advantages.to(logprobs.dtype)
-    old = logprobs.detach() if old_logprobs is None else old_logprobs.float().masked_fill(~mask, 0.0)
+    advantages = advantages.to(device=device, dtype=torch.float32)
+    if old_logprobs is None:
+        old = logprobs.detach()
+    else:
+        old = old_logprobs.to(device).float().masked_fill(~mask, 0.0)
 
     ratio = torch.exp(logprobs - old)
     clipped_ratio = ratio.clamp(1.0 - epsilon, 1.0 + epsilon_high)
     unclipped_term, clipped_term = ratio * advantages, clipped_ratio * advantages
     per_token = -torch.minimum(unclipped_term, clipped_term)
     if ref_logprobs is not None:
-        delta = ref_logprobs.float().masked_fill(~mask, 0.0) - logprobs
+        delta = ref_logprobs.to(device).float().masked_fill(~mask, 0.0) - logprobs
         k3 = torch.exp(delta) - delta - 1.0
         if beta > 0:
             per_token = per_token + beta * k3
