@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-memory", type=float, default=0.5, help="vLLM's share of GPU memory (colocate)"
     )
     parser.add_argument("--limit", type=int, default=None, help="use only the first N training problems")
+    parser.add_argument("--max-completion-length", type=int, default=MAX_COMPLETION_TOKENS, help="new tokens")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu", action="store_true", help="smoke test on CPU: no vLLM, no bf16, no LoRA")
     return parser
 
 
@@ -82,10 +84,11 @@ def batch_layout(n: int, m: int, prompts_per_step: int, micro_batch: int) -> tup
     return generated // accumulation, accumulation
 
 
-def build_config(args: argparse.Namespace, *, use_cpu: bool = False) -> PODSConfig:
-    """The paper's single-GPU GSM8K settings as a :class:`PODSConfig` (``use_cpu`` only for tests)."""
+def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The paper's single-GPU GSM8K settings, as keyword arguments of :class:`PODSConfig`."""
+    use_cpu = args.cpu
     per_device, accumulation = batch_layout(args.n, args.m, args.prompts_per_step, args.micro_batch)
-    return PODSConfig(
+    return dict(
         output_dir=args.output_dir,
         num_generations=args.n,
         num_generations_kept=args.m,
@@ -103,21 +106,26 @@ def build_config(args: argparse.Namespace, *, use_cpu: bool = False) -> PODSConf
         optim=args.optim,
         bf16=not use_cpu,
         use_cpu=use_cpu,
-        model_init_kwargs={"dtype": "bfloat16"},
-        gradient_checkpointing=True,
+        model_init_kwargs=None if use_cpu else {"dtype": "bfloat16"},
+        gradient_checkpointing=not use_cpu,
         temperature=0.9,
-        max_completion_length=MAX_COMPLETION_TOKENS,
+        max_completion_length=args.max_completion_length,
         beta=0.0,
-        use_vllm=not args.no_vllm,
+        use_vllm=not (args.no_vllm or use_cpu),
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=args.vllm_memory,
-        vllm_max_model_length=MAX_PROMPT_TOKENS + MAX_COMPLETION_TOKENS,
+        vllm_max_model_length=MAX_PROMPT_TOKENS + args.max_completion_length,
         logging_steps=1,
         save_strategy="steps",
         save_steps=100,
         report_to="none",
         seed=args.seed,
     )
+
+
+def build_config(args: argparse.Namespace) -> PODSConfig:
+    """The :class:`PODSConfig` of this run (bf16 needs a GPU unless ``--cpu``)."""
+    return PODSConfig(**config_kwargs(args))
 
 
 def build_peft_config(args: argparse.Namespace) -> Any:
@@ -158,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        peft_config=build_peft_config(args),
+        peft_config=None if args.cpu else build_peft_config(args),
     )
     trainer.train()
     trainer.save_model(args.output_dir)

@@ -303,23 +303,40 @@ def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path) -> None:
 # --- the example -----------------------------------------------------------------------------------------
 
 
-def test_gsm8k_example_builds_its_config_without_a_gpu(tmp_path) -> None:
+def load_example():
     spec = importlib.util.spec_from_file_location("trl_gsm8k", REPO_ROOT / "examples" / "trl_gsm8k.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_gsm8k_example_builds_its_config_without_a_gpu(tmp_path) -> None:
+    example = load_example()
     args = example.build_parser().parse_args(["--output-dir", str(tmp_path)])
     assert (args.model, args.n, args.m, args.rule) == ("Qwen/Qwen2.5-3B-Instruct", 64, 16, "max_variance")
-    config = example.build_config(args, use_cpu=True)
-    assert isinstance(config, PODSConfig)
+    gpu = example.config_kwargs(args)  # what a GPU run gets; bf16 cannot be validated without a GPU
+    assert gpu["bf16"] and gpu["use_vllm"] and gpu["vllm_mode"] == "colocate"
+    assert (gpu["vllm_gpu_memory_utilization"], gpu["temperature"], gpu["beta"]) == (0.5, 0.9, 0.0)
+    config = PODSConfig(**{**gpu, "bf16": False, "use_cpu": True})
     assert (config.num_generations, config.kept_per_prompt, config.selection_rule) == (64, 16, "max_variance")
-    assert config.use_vllm and config.vllm_mode == "colocate"
     # one prompt per step: 64 generated on the process, 16 kept, 4 micro-batches of 4
     assert (config.per_device_train_batch_size, config.steps_per_generation) == (16, 4)
     grpo = example.build_config(
-        example.build_parser().parse_args(
-            ["--n", "16", "--m", "16", "--rule", "all", "--output-dir", str(tmp_path)]
-        ),
-        use_cpu=True,
+        example.build_parser().parse_args(["--n", "16", "--m", "16", "--rule", "all", "--cpu"])
     )
-    assert (grpo.num_generations, grpo.kept_per_prompt) == (16, 16)
+    assert (grpo.num_generations, grpo.kept_per_prompt, grpo.per_device_train_batch_size) == (16, 16, 4)
     assert example.build_peft_config(args).r == 64
+    with pytest.raises(ValueError, match=r"--micro-batch 5 must divide .* 1 x 16 = 16"):
+        example.build_config(example.build_parser().parse_args(["--micro-batch", "5", "--cpu"]))
+
+
+def test_gsm8k_example_runs_one_step_on_cpu(tiny_model_dir, shared_data, tmp_path) -> None:
+    """main() end to end on the tiny model and the local GSM8K copy, with our rewards and loader."""
+    source = tmp_path / "gsm8k"  # the first 16 real training problems (filtering all 7473 takes seconds)
+    source.mkdir()
+    lines = (shared_data / "gsm8k" / "train.jsonl").read_text().splitlines(keepends=True)[:16]
+    (source / "train.jsonl").write_text("".join(lines))
+    flags = ["--model", str(tiny_model_dir), "--source", str(source), "--output-dir", str(tmp_path / "out")]
+    flags += ["--cpu", "--n", "4", "--m", "2", "--micro-batch", "2", "--max-steps", "1", "--limit", "8"]
+    load_example().main([*flags, "--max-completion-length", "8"])
+    assert (tmp_path / "out" / "model.safetensors").is_file()
