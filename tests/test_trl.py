@@ -170,7 +170,10 @@ def test_take_rows_keeps_every_per_row_entry_and_refuses_unknown_shapes() -> Non
 # --- the trainer -----------------------------------------------------------------------------------------
 
 
-def test_generation_batch_keeps_the_selected_rows_of_each_group(tiny_model_dir, prompts, tmp_path) -> None:
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_generation_batch_keeps_the_selected_rows_of_each_group(
+    tiny_model_dir, prompts, tmp_path, scale
+) -> None:
     """One generation batch, checked row by row against an independent recomputation."""
     seen: list[list[int]] = []
 
@@ -178,10 +181,15 @@ def test_generation_batch_keeps_the_selected_rows_of_each_group(tiny_model_dir, 
         seen.extend(completion_ids)
         return token_sum_reward(completion_ids)
 
-    args = tiny_args(PODSConfig, tmp_path, num_generations_kept=2, gradient_accumulation_steps=2, beta=0.04)
-    trainer = PODSTrainer(
-        model=str(tiny_model_dir), reward_funcs=recording_reward, args=args, train_dataset=prompts
+    args = tiny_args(
+        PODSConfig,
+        tmp_path,
+        num_generations_kept=2,
+        gradient_accumulation_steps=2,
+        beta=0.04,
+        scale_rewards=scale,
     )
+    trainer = PODSTrainer(str(tiny_model_dir), recording_reward, args, prompts)  # TRL's positional order
     inputs = next(iter(trainer.get_train_dataloader()))
     assert len(inputs) == 16  # 8 completions x 2 accumulation steps = 4 groups of n = 4
 
@@ -198,7 +206,7 @@ def test_generation_batch_keeps_the_selected_rows_of_each_group(tiny_model_dir, 
     for key in ("prompt_ids", "prompt_mask", "completion_mask", "ref_per_token_logps", "advantages"):
         assert batch[key].shape[0] == 8, key
     kept_rewards = rewards.gather(1, expected)
-    assert torch.equal(batch["advantages"], group_advantages(kept_rewards).view(-1))
+    assert torch.equal(batch["advantages"], group_advantages(kept_rewards, scale=scale).view(-1))
     assert batch["num_items_in_batch"].item() == batch["completion_mask"].sum().item()
     for group in range(4):  # each kept pair still belongs to one prompt, and it is the best pair there is
         assert torch.equal(batch["prompt_ids"][2 * group], batch["prompt_ids"][2 * group + 1])

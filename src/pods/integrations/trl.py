@@ -234,7 +234,9 @@ class PODSTrainer(GRPOTrainer):
     beside TRL's own. Evaluation is TRL's, unchanged.
     """
 
-    def __init__(self, model: Any, reward_funcs: Any = None, args: PODSConfig | None = None, **kwargs: Any):
+    def __init__(
+        self, model: Any, reward_funcs: Any = None, args: PODSConfig | None = None, *rest: Any, **kwargs: Any
+    ):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = PODSConfig(f"{str(name).rstrip('/').split('/')[-1]}-PODS")
@@ -243,7 +245,7 @@ class PODSTrainer(GRPOTrainer):
                 f"PODSTrainer needs args=PODSConfig(...), got {type(args).__name__}. PODSConfig takes every "
                 "GRPOConfig field plus num_generations_kept and selection_rule."
             )
-        super().__init__(model, reward_funcs, args=args, **kwargs)
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self.num_generations_kept = args.kept_per_prompt
         check_batch_arithmetic(
             args.per_device_train_batch_size,
