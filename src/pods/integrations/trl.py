@@ -289,9 +289,7 @@ class PODSTrainer(GRPOTrainer):
 
         kept = select(rewards, m, self.args.selection_rule, generator=self._pods_generator)  # [all groups, m]
         kept_rewards = rewards.gather(1, kept)
-        advantages = group_advantages(
-            kept_rewards, scale=advantage_scale(self.scale_rewards)
-        )  # [all groups, m]
+        advantages = group_advantages(kept_rewards, scale=advantage_scale(self.scale_rewards))
 
         mine = slice(self.accelerator.process_index * groups, (self.accelerator.process_index + 1) * groups)
         trl_advantages = batch["advantages"]
