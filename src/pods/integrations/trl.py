@@ -278,14 +278,15 @@ class PODSTrainer(GRPOTrainer):
             )
 
         n, m = self.num_generations, self.num_generations_kept
-        rewards = summed_rewards(rewards_per_func, self.reward_weights).view(-1, n)  # [all groups, n]
+        summed = summed_rewards(rewards_per_func, self.reward_weights)  # [all rows], every process's rows
         local_rows = batch["prompt_ids"].shape[0]
         groups = local_rows // n
-        if local_rows % n or rewards.shape[0] != groups * self.accelerator.num_processes:
+        if local_rows % n or summed.shape[0] != local_rows * self.accelerator.num_processes:
             raise RuntimeError(
-                f"each process holds {local_rows} completions, not whole groups of n={n} matching the "
-                f"{rewards.shape[0]} groups gathered: groups are not process-local (see check_batch_arithmetic)."
+                f"this process holds {local_rows} completions ({summed.shape[0]} on all processes), not whole "
+                f"groups of n={n}: groups are not process-local (see check_batch_arithmetic)."
             )
+        rewards = summed.view(-1, n)  # [all groups, n]
 
         kept = select(rewards, m, self.args.selection_rule, generator=self._pods_generator)  # [all groups, m]
         kept_rewards = rewards.gather(1, kept)
