@@ -129,6 +129,15 @@ def test_config_defaults_to_plain_grpo_and_accepts_user_rules(tmp_path: Path) ->
     )
 
 
+def test_config_parses_from_the_command_line_with_trl_parser(tmp_path: Path) -> None:
+    from trl import TrlParser
+
+    flags = "--use_cpu True --num_generations 4 --per_device_train_batch_size 4 --num_generations_kept 2"
+    flags = ["--output_dir", str(tmp_path), *flags.split(), "--selection_rule", "random"]
+    (config,) = TrlParser(PODSConfig).parse_args_into_dataclasses(flags)
+    assert (config.num_generations, config.kept_per_prompt, config.selection_rule) == (4, 2, "random")
+
+
 def test_scale_mapping_and_summed_rewards() -> None:
     assert [advantage_scale(s) for s in ("group", "batch", "none", True, False)] == [
         "group",
