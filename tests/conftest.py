@@ -6,12 +6,16 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+# Tiny models run faster on one thread than on two competing ones (and leave a core to subprocesses).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,21 +1,34 @@
-"""The ``pods`` entry point, run as a real subprocess."""
+"""The ``pods`` command line, run as real subprocesses on a tiny model and the shared GSM8K files."""
 
 from __future__ import annotations
 
+import csv
+import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+import yaml
 
 from pods import __version__
+from pods.cli import PRESETS_DIR, main, preset_names
 
 
-def run_pods(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pods", *args], capture_output=True, text=True, timeout=120)
+def run_pods(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pods", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
 
 
 def test_version_and_help() -> None:
     assert run_pods("--version").stdout.strip() == f"pods {__version__}"
     result = run_pods("--help")
-    assert result.returncode == 0 and "demo" in result.stdout
+    assert result.returncode == 0
+    for command in ("train", "eval", "compare", "plot", "demo"):
+        assert command in result.stdout
+    train_help = run_pods("train", "--help").stdout
+    assert "num_generations_kept=4" in train_help and "gsm8k-pods" in train_help
 
 
 def test_demo_prints_what_each_rule_keeps() -> None:
@@ -25,7 +38,156 @@ def test_demo_prints_what_each_rule_keeps() -> None:
         assert result.stdout.count(rule) == 2
 
 
-def test_demo_bad_m_is_a_clear_error() -> None:
-    result = run_pods("demo", "--n", "4", "--m", "9")
-    assert result.returncode == 2
-    assert "m=9" in result.stderr and "Traceback" not in result.stderr
+def test_bad_input_is_a_clear_error_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    result = run_pods("train", "--lerning_rate", "1e-5")  # once as a real process
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "did you mean learning_rate" in result.stderr
+    for args, message in [
+        (["demo", "--n", "4", "--m", "9"], "m=9"),
+        (["train", "--config", "no-such-preset"], "presets: "),
+        (["train", "--num_generations_kept", "64"], "cannot exceed num_generations"),
+        (["train", "--max_steps", "ten"], "max_steps must be int"),
+        (["eval", "--model", "/no/such/model", "--dataset", "gsm8k"], "does not exist"),
+    ]:
+        assert main(args) == 2, args
+        assert message in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_run_config(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, shared_data: Path
+) -> Path:
+    """A YAML config training the tiny model on GSM8K rows from ../shared/data for a few steps."""
+    path = tmp_path_factory.mktemp("cli") / "tiny.yaml"
+    settings = {
+        "model": str(tiny_model_dir),
+        "task": "gsm8k",
+        "task_source": str(shared_data / "gsm8k"),
+        "prompt_style": "chat",
+        "train_limit": 64,
+        "eval_limit": 8,
+        "max_prompt_length": None,  # no length filter: it would tokenize all 7473 rows first
+        "num_generations": 4,
+        "num_generations_kept": 2,
+        "prompts_per_step": 2,
+        "micro_batch_size": 4,
+        "max_completion_length": 8,
+        "max_time": None,
+        "max_steps": 3,
+        "eval_every_seconds": 0.5,
+        "reward_funcs": ["accuracy", "format", "tag"],
+        "progress": False,
+    }
+    path.write_text(yaml.safe_dump(settings))
+    return path
+
+
+def test_train_eval_and_plot(tiny_run_config: Path, tmp_path: Path, shared_data: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_pods("train", "--config", str(tiny_run_config), "--output_dir", str(run_dir), "--seed", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Held-out accuracy (greedy, 8 problems of gsm8k)" in result.stdout
+    for name in ("config.yaml", "metrics.jsonl", "eval.jsonl", "training.png"):
+        assert (run_dir / name).is_file(), name
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["seed"] == 3
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+
+    report = tmp_path / "report.json"
+    result = run_pods(
+        "eval", "--model", str(run_dir), "--dataset", "gsm8k", "--source", str(shared_data / "gsm8k"),
+        "--limit", "6", "--max-new-tokens", "8", "--protocol", "sampled", "--samples", "2", "--output", str(report),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    values = json.loads(report.read_text())
+    assert (
+        values["num_problems"] == 6 and values["samples_per_problem"] == 2 and values["protocol"] == "sampled"
+    )
+    assert (
+        0.0 <= values["accuracy"] <= 1.0 and "format_accuracy" in values and "correct_and_formatted" in values
+    )
+
+    result = run_pods("plot", str(run_dir), str(run_dir), "--output", str(tmp_path / "again.png"))
+    assert result.returncode == 0 and (tmp_path / "again.png").stat().st_size > 10_000
+    result = run_pods("plot", str(tmp_path))
+    assert result.returncode == 2 and "not a pods run folder" in result.stderr
+
+
+def test_compare_writes_curves_plot_and_speedup(tiny_run_config: Path, tmp_path: Path) -> None:
+    output = tmp_path / "compare"
+    result = run_pods(
+        "compare", "--config", str(tiny_run_config), "--arms", "grpo,pods", "--seeds", "0",
+        "--output", str(output), "--max_steps", "2", "--save_final", "false",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pods vs GRPO" in result.stdout
+    summary = json.loads((output / "summary.json").read_text())
+    assert set(summary["arms"]) == {"grpo", "pods"}
+    assert "speedup" in summary["speedup_vs_grpo"]["pods"]
+    rows = list(csv.DictReader((output / "accuracy_vs_time.csv").open()))
+    assert {row["arm"] for row in rows} == {"grpo", "pods"}
+    assert (output / "accuracy_vs_time.png").is_file()
+    grpo = yaml.safe_load((output / "grpo-seed0" / "config.yaml").read_text())
+    pods = yaml.safe_load((output / "pods-seed0" / "config.yaml").read_text())
+    assert (grpo["num_generations"], grpo["selection_rule"]) == (2, "all")
+    assert (pods["num_generations"], pods["num_generations_kept"], pods["selection_rule"]) == (
+        8,
+        2,
+        "max_variance",
+    )
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_resolves_and_runs_a_step_on_a_tiny_model(
+    name: str, tiny_model_dir: Path, tmp_path: Path, shared_data: Path
+) -> None:
+    from pods.cli import load_train_config
+    from pods.trainer import PODSTrainer
+
+    config = load_train_config(name, [])  # parses and validates the preset as shipped
+    config.check_names()
+    sources = {"gsm8k": shared_data / "gsm8k", "math500": shared_data / "math500" / "test.jsonl"}
+    task = "math500" if config.task == "math" else config.task  # MATH train lives on the Hub only
+    overrides = {
+        "model": str(tiny_model_dir),
+        "load_in_4bit": False,
+        "lora_r": min(config.lora_r, 4),
+        "optimizer": "adamw",
+        "dtype": "float32",
+        "mixed_precision": "no",
+        "gradient_checkpointing": False,
+        "task": task,
+        "train_split": "test" if task == "math500" else config.train_split,
+        "task_source": str(sources[task]) if task in sources else None,
+        "max_completion_length": 4,
+        "max_steps": 1,
+        "max_time": None,
+        "eval_at_start": False,
+        "eval_every_seconds": None,
+        "save_final": False,
+        "progress": False,
+        "output_dir": str(tmp_path),
+        "train_limit": 8,
+        "max_prompt_length": None,
+    }
+    values = {**config.to_dict(), **overrides}
+    trainer = PODSTrainer(type(config).from_dict(values))
+    assert trainer.train().steps == 1
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["step"] == 1 and row["reward_mean_all"] is not None
+
+
+def test_presets_are_the_papers_settings() -> None:
+    pods = yaml.safe_load((PRESETS_DIR / "gsm8k-pods.yaml").read_text())
+    grpo = yaml.safe_load((PRESETS_DIR / "gsm8k-grpo.yaml").read_text())
+    assert (pods["num_generations"], pods["num_generations_kept"], pods["lora_r"], pods["max_time"]) == (
+        64,
+        16,
+        64,
+        21600,
+    )
+    assert (grpo["num_generations"], grpo["num_generations_kept"], grpo["selection_rule"]) == (16, 16, "all")
+    math = yaml.safe_load((PRESETS_DIR / "math-pods.yaml").read_text())
+    assert (math["num_generations"], math["num_generations_kept"]) == (32, 8)
+    multi = yaml.safe_load((PRESETS_DIR / "gsm8k-8gpu-pods.yaml").read_text())
+    assert (multi["num_generations"], multi["num_generations_kept"], multi["lora_r"]) == (128, 32, 0)
+    assert (PRESETS_DIR / "accelerate" / "deepspeed_zero2.yaml").is_file()

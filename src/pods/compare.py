@@ -101,7 +101,7 @@ def run_comparison(
         config = arm_config(base, arm, seed, run_dir)
         log(
             f"[{index + 1}/{total}] {arm}, seed {seed}: n={config.num_generations}, m={config.num_generations_kept}, "
-            f"rule={config.selection_rule}, {config.max_time:.0f}s of training -> {run_dir}"
+            f"rule={config.selection_rule}, budget {_budget(config)} -> {run_dir}"
         )
         result = PODSTrainer(config).train()
         runs.append(_arm_run(arm, seed, result.output_dir))
@@ -173,6 +173,11 @@ def _write_outputs(output_dir: Path, runs: list[ArmRun], summary: dict[str, Any]
     curves = {arm: [(r.seconds, r.accuracy) for r in runs if r.arm == arm] for arm in summary["arms"]}
     title = f"{base.task}: GRPO n=m={base.num_generations_kept} vs PODS n={4 * base.num_generations_kept}, m={base.num_generations_kept}"
     plot_comparison(curves, output_dir / "accuracy_vs_time.png", title)
+
+
+def _budget(config: TrainConfig) -> str:
+    parts = [f"{config.max_time:.0f} s of training"] if config.max_time else []
+    return " or ".join([*parts, f"{config.max_steps} steps"] if config.max_steps else parts)
 
 
 def _mean(values: list[float]) -> float:
