@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -78,6 +80,29 @@ def measure(method: str, mode: str, shape: tuple[int, int, int], dtype: torch.dt
     return _status_bytes("VmHWM") - base
 
 
+def warm_seconds(
+    method: str, mode: str, shape: tuple[int, int, int], dtype: torch.dtype, device: str
+) -> float:
+    """Median of 3 timed calls after one warm-up, in this process (memory reuse as in a training loop)."""
+    fn = _full if method == "full_log_softmax" else _pods
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(*shape, generator=gen, device=device, dtype=dtype, requires_grad=mode == "backward")
+    ids = torch.randint(0, shape[-1], shape[:2], generator=gen, device=device)
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        if mode == "forward":
+            with torch.no_grad():
+                fn(logits, ids)
+        else:
+            fn(logits, ids).sum().backward()
+            logits.grad = None
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -107,6 +132,10 @@ def main() -> None:
             )
             peaks.append(json.loads(result.stdout.strip().splitlines()[-1]) / 2**20)
         print(f"{mode:<10}" + "".join(f"{p:>20.1f}" for p in peaks) + f"{peaks[1] / peaks[0]:>10.3f}")
+    print("seconds per call (warm, median of 3):")
+    for mode in MODES:
+        seconds = [warm_seconds(method, mode, shape, dtype, args.device) for method in METHODS]
+        print(f"{mode:<10}" + "".join(f"{t:>20.3f}" for t in seconds) + f"{seconds[1] / seconds[0]:>10.3f}")
 
 
 if __name__ == "__main__":

@@ -43,43 +43,53 @@ def _chunks(batch: int, length: int, chunk_size: int):
 class _SelectedLogProbs(torch.autograd.Function):
     """log_softmax(logits / T).gather(token) with a chunked forward and a chunked, recomputing backward.
 
-    Autograd would save a float32 copy of every chunk for the backward pass (as much memory as a full
-    log-softmax); here only the logits (already alive) and the [B, L] log-sum-exp are kept.
+    Autograd would save a float32 log-softmax of every chunk for the backward pass (as much memory as a
+    full one); here only the logits (alive anyway) are kept, and the backward recomputes each chunk's
+    softmax. The fused log_softmax / softmax kernels on cache-sized chunks are also the fastest way here.
     """
 
     @staticmethod
     def forward(ctx, logits: Tensor, token_ids: Tensor, temperature: float, chunk_size: int) -> Tensor:
         batch, length, _ = logits.shape
         out = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(out)
         for rows, cols in _chunks(batch, length, chunk_size):
-            scaled = logits[rows, cols].float()
-            scaled = scaled / temperature if temperature != 1.0 else scaled
-            lse[rows, cols] = torch.logsumexp(scaled, dim=-1)
-            picked = scaled.gather(-1, token_ids[rows, cols].unsqueeze(-1)).squeeze(-1)
-            out[rows, cols] = picked - lse[rows, cols]
-        ctx.save_for_backward(logits, token_ids, lse)
+            out[rows, cols] = _chunk_logprobs(logits[rows, cols], token_ids[rows, cols], temperature)
+        ctx.save_for_backward(logits, token_ids)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor):
-        logits, token_ids, lse = ctx.saved_tensors
-        temperature = ctx.temperature
+        logits, token_ids = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         batch, length, _ = logits.shape
         for rows, cols in _chunks(batch, length, ctx.chunk_size):
-            scaled = logits[rows, cols].float()
-            scaled = scaled / temperature if temperature != 1.0 else scaled
-            g = grad_out[rows, cols].float().unsqueeze(-1)
-            # d/dx [x_t - logsumexp(x)] = onehot(t) - softmax(x); chain rule through x = logits / T.
-            grad = torch.exp(scaled - lse[rows, cols].unsqueeze(-1)).mul_(-g)
-            grad.scatter_add_(-1, token_ids[rows, cols].unsqueeze(-1), g)
-            if temperature != 1.0:
-                grad.div_(temperature)
-            grad_logits[rows, cols] = grad.to(grad_logits.dtype)
+            grad_logits[rows, cols] = _chunk_grad(
+                logits[rows, cols], token_ids[rows, cols], grad_out[rows, cols], ctx.temperature
+            )
         return grad_logits, None, None, None
+
+
+# One chunk at a time, in functions so that a chunk's scratch buffers are freed before the next one.
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    logits = logits.float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _chunk_logprobs(logits: Tensor, token_ids: Tensor, temperature: float) -> Tensor:
+    logp = torch.log_softmax(_scaled(logits, temperature), dim=-1)
+    return logp.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def _chunk_grad(logits: Tensor, token_ids: Tensor, grad_out: Tensor, temperature: float) -> Tensor:
+    # d/dx [log_softmax(x)_t] = onehot(t) - softmax(x); then the chain rule through x = logits / T.
+    g = grad_out.float().unsqueeze(-1)
+    grad = torch.softmax(_scaled(logits, temperature), dim=-1).mul_(-g)
+    grad.scatter_add_(-1, token_ids.unsqueeze(-1), g)
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad.to(logits.dtype)
 
 
 def selected_token_logprobs(
@@ -87,9 +97,9 @@ def selected_token_logprobs(
 ) -> Tensor:
     """``log softmax(logits / temperature)`` at ``token_ids``: ``[B, L, V], [B, L] -> [B, L]`` in float32.
 
-    Computed in chunks of about ``chunk_size`` tokens (default: ``CHUNK_ELEMENTS // V``), gathering the
-    chosen logit and subtracting the log-sum-exp, so neither the forward nor the backward pass
-    materialises a full ``[B, L, V]`` log-softmax.
+    Computed in chunks of about ``chunk_size`` tokens (default: ``CHUNK_ELEMENTS // V``), so neither the
+    forward nor the backward pass materialises a full ``[B, L, V]`` log-softmax: peak scratch memory is a
+    few chunks.
     """
     if logits.ndim != 3 or token_ids.shape != logits.shape[:2]:
         raise ValueError(
