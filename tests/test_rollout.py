@@ -221,3 +221,5 @@ def test_select_keeps_rows_and_shrinks_padding(tiny):
         r.select([8])
     with pytest.raises(ValueError, match="boolean mask"):
         r.select(torch.ones(8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="inconsistent Rollouts"):
+        Rollouts(**{**vars(r), "texts": r.texts[:-1]})
