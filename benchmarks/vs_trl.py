@@ -6,7 +6,8 @@
 Both trainers get the same random tiny Llama (its EOS lies outside the output vocabulary, so every
 completion is exactly ``--length`` tokens and both do identical work), the same prompts, the same reward,
 n = m (GRPO, rule ``all``), the same prompts per step, rows per optimizer step and micro-batch, beta = 0,
-the same loss type, a constant learning rate, and no evaluation, saving or logging. In TRL terms:
+the same loss type, a constant learning rate, float32 and the same gradient-checkpointing setting (TRL
+defaults to bf16 and checkpointing on: both set explicitly), and no evaluation, saving or logging. In TRL terms:
 ``per_device_train_batch_size`` = micro-batch rows, ``gradient_accumulation_steps`` = rows / micro,
 ``steps_per_generation`` = that too, so one generation feeds exactly one optimizer step, as in pods.
 
@@ -104,6 +105,7 @@ def make_pods(model_dir: str, prompts: list[str], args, workdir: str):
         save_final=False,
         progress=False,
         seed=0,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     trainer = PODSTrainer(
         config, reward_funcs=[low_id_share], train_dataset=Dataset.from_dict({"prompt": prompts})
@@ -155,6 +157,8 @@ def make_trl(model_dir: str, prompts: list[str], args, workdir: str):
         max_steps=args.steps,
         seed=0,
         dataloader_num_workers=0,
+        bf16=False,  # TRL's default is True; pods runs float32 (mixed_precision "no")
+        gradient_checkpointing=args.gradient_checkpointing,  # TRL's default is True, pods' False
     )
     clock = Clock()
 
@@ -188,6 +192,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=32, help="completion tokens (every one runs to it)")
     parser.add_argument("--micro", type=int, default=None, help="rows per micro-batch (default: all rows)")
     parser.add_argument("--loss-type", default="grpo", choices=["grpo", "dapo", "bnpo", "dr_grpo"])
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="on for both (TRL's default)")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds; the first is warm-up")
     parser.add_argument("--steps", type=int, default=4, help="steps per trainer per round")
     parser.add_argument("--hidden", type=int, default=128)
@@ -245,7 +250,8 @@ def main() -> None:
         f"model: random Llama, {params / 1e6:.2f}M parameters ({args.layers} layers, hidden {args.hidden}, vocab "
         f"{args.vocab}); GRPO n = m = {args.n}, {args.prompts} prompts per step, {rows} rows per optimizer step in "
         f"micro-batches of {args.micro}, {args.length}-token completions (measured mean "
-        f"{statistics.mean(generated):.1f}), loss {args.loss_type}, beta 0; {args.threads} thread(s); "
+        f"{statistics.mean(generated):.1f}), loss {args.loss_type}, beta 0, float32, gradient checkpointing "
+        f"{'on' if args.gradient_checkpointing else 'off'}; {args.threads} thread(s); "
         f"{args.rounds - 1} measured rounds x {args.steps - 1} steps each"
     )
     print(
