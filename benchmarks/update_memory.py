@@ -7,9 +7,9 @@ One prompt per step and the whole kept batch in one micro-batch (micro_batch_siz
 the update's cost behind gradient accumulation: the paper's comparison. Each configuration runs one step
 of the real :class:`pods.trainer.PODSTrainer` in a fresh process, with ``trainer._update`` wrapped to
 measure around it. On CUDA the figure is ``max_memory_allocated`` above the allocation just before the
-update. On CPU it is the peak resident set (VmHWM, reset just before) above the resident set just before,
-with glibc's mmap threshold pinned so that freed buffers go back to the OS and the resident set counts
-live memory only. The model's EOS token lies outside its output vocabulary, so every completion is
+update. On CPU it is the peak resident set (VmHWM, reset just before) above the resident set just before;
+just before the update, freed heap memory is handed back to the OS and glibc's mmap threshold is pinned
+to 64 KiB, so that freed buffers go back to the OS and the resident set counts live memory only. The model's EOS token lies outside its output vocabulary, so every completion is
 exactly ``--length`` tokens (the table reports the measured mean length).
 """
 
@@ -102,6 +102,21 @@ def _status_bytes(field: str) -> int:
     return int(line.split()[1]) * 1024
 
 
+def _release_freed_memory() -> None:
+    """glibc: hand freed heap pages back to the OS and, from now on, serve every buffer over 64 KiB with its
+    own mmap (returned on free), so the resident set counts live memory only. Set here, after generation,
+    rather than for the whole process: per-token KV-cache buffers served by mmap make generation slow."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: the resident set may then include freed, unreturned memory
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 65536)
+    libc.malloc_trim(0)
+
+
 class PeakMemory:
     """Peak memory above the level at ``start()``: CUDA allocator, Linux VmHWM, or a psutil sampling thread."""
 
@@ -117,6 +132,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         elif self.linux:
+            _release_freed_memory()
             self.base = _status_bytes("VmRSS")
             with open("/proc/self/clear_refs", "w") as clear_refs:
                 clear_refs.write("5")  # resets VmHWM to the current resident set
@@ -236,7 +252,7 @@ def main() -> None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
         params = sum(p.numel() for p in model.parameters())
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         results = {}
         for n, m in CONFIGS:
             command = [sys.executable, __file__, *sys.argv[1:], "--worker", str(model_dir), str(n), str(m)]
