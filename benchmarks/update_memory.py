@@ -89,9 +89,9 @@ def word_prompts(count: int, words: int = 8, vocab_size: int = 4096, seed: int =
     return [" ".join(f"w{i - 2}" for i in row.tolist()) for row in ids]
 
 
-def low_id_share(prompts, completions, completion_ids=None, **columns) -> list[float]:
-    """Reward: the share of completion tokens in the lower half of the id range (spread within a group)."""
-    return [sum(token < 2048 for token in ids) / max(len(ids), 1) for ids in completion_ids]
+def even_id_share(prompts, completions, completion_ids=None, **columns) -> list[float]:
+    """Reward: the share of completion tokens with an even id (any vocabulary; spread within a group)."""
+    return [sum(token % 2 == 0 for token in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
 # ---------------------------------------------------------------------- memory probes
@@ -195,7 +195,7 @@ def run_config(model_dir: str, n: int, m: int, length: int, workdir: str) -> dic
     vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
     prompts = word_prompts(4, vocab_size=vocab)
     trainer = PODSTrainer(
-        config, reward_funcs=[low_id_share], train_dataset=Dataset.from_dict({"prompt": prompts})
+        config, reward_funcs=[even_id_share], train_dataset=Dataset.from_dict({"prompt": prompts})
     )
     probe, measured, update = PeakMemory(trainer.accelerator.device), {}, trainer._update
 
