@@ -98,8 +98,9 @@ class TrainConfig:
 
     # --- run ---
     max_steps: int | None = None
-    max_time: float | None = 240.0  # training wall-clock budget in seconds (evaluation excluded)
+    max_time: float | None = 180.0  # training wall-clock budget in seconds (evaluation excluded)
     seed: int = 0
+    torch_threads: int | None = None  # CPU threads for torch; None = torch's default (all cores)
     output_dir: str | None = None  # default: runs/<timestamp>
     eval_task: str | None = None  # defaults to task
     eval_source: str | None = None
@@ -195,6 +196,7 @@ class TrainConfig:
             f"{self.lr_scheduler_type!r} decays over max_steps, so set max_steps (or use 'constant')",
         )
         _require(self.max_time is None or self.max_time > 0, "max_time", "must be positive (seconds)")
+        _require(self.torch_threads is None or self.torch_threads >= 1, "torch_threads", "must be at least 1")
         _require(self.save_total_limit >= 1, "save_total_limit", "must be at least 1")
         _require(self.eval_samples >= 1, "eval_samples", "must be at least 1")
 

@@ -164,6 +164,8 @@ class PODSTrainer:
         self.metrics_log = JsonlLog(self.output_dir / "metrics.jsonl", enabled=acc.is_main_process)
         self.eval_log = JsonlLog(self.output_dir / "eval.jsonl", enabled=acc.is_main_process)
 
+        if cfg.torch_threads is not None:
+            torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
         self.policy: Policy = load_policy(cfg)
         self.tokenizer = self.policy.tokenizer
