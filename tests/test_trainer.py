@@ -67,7 +67,7 @@ def trainable_snapshot(trainer: PODSTrainer) -> dict[str, torch.Tensor]:
         {"loss_type": "bnpo"},
         {"loss_type": "dapo"},
         {"loss_type": "dr_grpo", "scale_rewards": "none"},
-        {"lora_r": 4, "lora_alpha": 8},
+        {"lora_r": 4, "lora_alpha": 8, "report_to": ["tensorboard"]},
         {"lora_r": 4, "beta": 0.1},
         {
             "beta": 0.1,
@@ -108,6 +108,8 @@ def test_a_few_real_steps(tiny_model_dir: Path, tmp_path: Path, overrides: dict)
     if overrides.get("beta"):
         assert rows[-1]["kl"] > 0
     assert (tmp_path / "config.yaml").is_file()
+    if overrides.get("report_to"):
+        assert list(tmp_path.glob("pods/events.out.tfevents.*")), sorted(p.name for p in tmp_path.rglob("*"))
     checkpoint = list_checkpoints(tmp_path / "checkpoints")[-1]
     assert (checkpoint / "model").is_dir()
 
@@ -223,13 +225,17 @@ def test_a_reward_function_that_raises_is_named(tiny_model_dir: Path, tmp_path: 
     from pods.scoring import RewardFunctionError
 
     def broken_reward(prompts, completions, **columns):
-        raise KeyError("solution")
+        if any("say abb" in question for question in columns["question"]):
+            raise KeyError("solution")
+        return [0.0] * len(completions)
 
     trainer = PODSTrainer(
         tiny_config(tiny_model_dir, tmp_path), reward_funcs=[broken_reward], train_dataset=tiny_dataset()
     )
-    with pytest.raises(RewardFunctionError, match="'broken_reward' raised KeyError"):
+    with pytest.raises(RewardFunctionError, match="'broken_reward' raised KeyError") as error:
         trainer.train()
+    index = int(str(error.value).split("on completion ")[1].split(":")[0])
+    assert "say abb" in trainer.prompts.batch(0)[index // 4]["question"]
 
 
 def test_existing_checkpoints_are_never_overwritten_silently(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -38,15 +38,40 @@ def score_completions(
         name = reward_name(fn)
         try:
             scores = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as error:  # a user's function: report which one, on what
+        except Exception as error:  # a user's function: report which one, on which sample
+            index = _first_failing_sample(fn, prompts, completions, completion_ids, columns)
+            where = (
+                f"completion {index}: {_excerpt(completions[index])}" if index is not None else "the batch"
+            )
             raise RewardFunctionError(
-                f"reward function {name!r} raised {type(error).__name__}: {error} "
-                f"(batch of {len(completions)} completions; first completion: {_excerpt(completions[0])})"
+                f"reward function {name!r} raised {type(error).__name__}: {error} (on {where}; "
+                f"columns given: {', '.join(sorted(columns)) or 'none'})"
             ) from error
         values = _as_scores(name, scores, completions)
         per_function[name] = values
         total += weight * torch.nan_to_num(values, nan=0.0)
     return total, per_function
+
+
+def _first_failing_sample(
+    fn: RewardFunction,
+    prompts: list[Any],
+    completions: list[str],
+    completion_ids: list[list[int]],
+    columns: dict[str, list[Any]],
+) -> int | None:
+    """Re-run ``fn`` one completion at a time (error path only) to name the sample that breaks it."""
+    for index in range(len(completions)):
+        try:
+            fn(
+                prompts=prompts[index : index + 1],
+                completions=completions[index : index + 1],
+                completion_ids=completion_ids[index : index + 1],
+                **{key: values[index : index + 1] for key, values in columns.items()},
+            )
+        except Exception:
+            return index
+    return None
 
 
 def _as_scores(name: str, scores: object, completions: list[str]) -> torch.Tensor:

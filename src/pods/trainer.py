@@ -125,7 +125,7 @@ class PODSTrainer:
         train_dataset: Any = None,
         eval_dataset: Any = None,
     ) -> None:
-        from accelerate import Accelerator
+        from accelerate import Accelerator, PartialState
         from accelerate.utils import broadcast_object_list
 
         self.config = cfg = config
@@ -149,13 +149,15 @@ class PODSTrainer:
             precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
         # Each optimizer step accumulates the micro-batches of the kept rows (same count on every process).
         micro_batches = cfg.prompts_per_step * cfg.num_generations_kept // cfg.micro_batch_size
+        PartialState()  # starts the process group, so every process can agree on the run folder first
+        self.output_dir = Path(broadcast_object_list([self._pick_output_dir()])[0])
         self.accelerator = Accelerator(
             mixed_precision=precision,
-            log_with=cfg.report_to or None,
+            log_with=cfg.report_to or None,  # TensorBoard / W&B / trackio, logging into the run folder
+            project_dir=str(self.output_dir),
             gradient_accumulation_steps=micro_batches,
         )
         acc = self.accelerator
-        self.output_dir = Path(broadcast_object_list([self._pick_output_dir()])[0])
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.output_dir / "config.yaml")
