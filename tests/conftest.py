@@ -32,3 +32,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pods.testing import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps process-wide singletons; start every test without another test's settings."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)

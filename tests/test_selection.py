@@ -183,12 +183,12 @@ def test_registered_rule_is_used_and_validated() -> None:
     def lowest(rewards: torch.Tensor, m: int, generator: torch.Generator | None) -> torch.Tensor:
         return rewards.argsort(dim=1)[:, :m]
 
-    register_rule("test_lowest", lowest)
-    assert "test_lowest" in available_rules()
-    assert select([[3.0, 1.0, 2.0]], 2, "test_lowest").tolist() == [[1, 2]]
+    register_rule("test_lowest_selection", lowest)
+    assert "test_lowest_selection" in available_rules()
+    assert select([[3.0, 1.0, 2.0]], 2, "test_lowest_selection").tolist() == [[1, 2]]
     with pytest.raises(ValueError, match="already registered"):
-        register_rule("test_lowest", lowest)
-    register_rule("test_lowest", lowest, overwrite=True)
+        register_rule("test_lowest_selection", lowest)
+    register_rule("test_lowest_selection", lowest, overwrite=True)
     with pytest.raises(ValueError, match="built-in"):
         register_rule("max_variance", lowest)
 

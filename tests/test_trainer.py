@@ -191,7 +191,11 @@ def test_two_processes_keep_identical_parameters(tiny_model_dir: Path, tmp_path:
         str(tmp_path),
         json.dumps({"max_steps": 2}),
     ]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    # A clean launch environment: earlier in-process tests (accelerate, TRL) leave ACCELERATE_* and
+    # rank variables in os.environ that would change what the launcher does.
+    launcher_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_") and k not in launcher_keys}
+    env.update(ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MULTI_CPU" in result.stdout

@@ -126,7 +126,7 @@ class PODSTrainer:
         eval_dataset: Any = None,
     ) -> None:
         from accelerate import Accelerator, PartialState
-        from accelerate.utils import broadcast_object_list
+        from accelerate.utils import broadcast_object_list, parse_flag_from_env
 
         self.config = cfg = config
         if reward_funcs is None:
@@ -149,7 +149,8 @@ class PODSTrainer:
             precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
         # Each optimizer step accumulates the micro-batches of the kept rows (same count on every process).
         micro_batches = cfg.prompts_per_step * cfg.num_generations_kept // cfg.micro_batch_size
-        PartialState()  # starts the process group, so every process can agree on the run folder first
+        # Start the process group first (as Accelerator would) so every process agrees on the run folder.
+        PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
         self.output_dir = Path(broadcast_object_list([self._pick_output_dir()])[0])
         self.accelerator = Accelerator(
             mixed_precision=precision,
