@@ -19,28 +19,13 @@ from pods.trainer import PODSTrainer
 
 SCRIPT = Path(__file__).parent / "scripts" / "tiny_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
-from tiny_run import count_of_a, low_token_ids, tiny_dataset  # noqa: E402
+from tiny_run import TINY_SETTINGS, count_of_a, low_token_ids, tiny_dataset  # noqa: E402
 
 
 def tiny_config(model_dir: Path, output_dir: Path, **overrides) -> TrainConfig:
-    settings = {
-        "model": str(model_dir),
-        "output_dir": str(output_dir),
-        "num_generations": 4,
-        "num_generations_kept": 2,
-        "prompts_per_step": 2,
-        "micro_batch_size": 2,
-        "max_completion_length": 8,
-        "learning_rate": 1e-3,
-        "max_time": None,
-        "max_steps": 2,
-        "eval_at_start": False,
-        "eval_every_seconds": None,
-        "save_every_seconds": None,
-        "progress": False,
-        **overrides,
-    }
-    return TrainConfig.from_dict(settings)
+    return TrainConfig.from_dict(
+        {"model": str(model_dir), "output_dir": str(output_dir), **TINY_SETTINGS, **overrides}
+    )
 
 
 def run_tiny(model_dir: Path, output_dir: Path, **overrides):

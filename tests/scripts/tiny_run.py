@@ -17,6 +17,22 @@ from datasets import Dataset
 from pods.config import TrainConfig
 from pods.trainer import PODSTrainer
 
+# A few-second run of the tiny test model: 2 prompts x n=4, m=2 kept, 8 new tokens, 2 steps, no eval.
+TINY_SETTINGS = {
+    "num_generations": 4,
+    "num_generations_kept": 2,
+    "prompts_per_step": 2,
+    "micro_batch_size": 2,
+    "max_completion_length": 8,
+    "learning_rate": 1e-3,
+    "max_time": None,
+    "max_steps": 2,
+    "eval_at_start": False,
+    "eval_every_seconds": None,
+    "save_every_seconds": None,
+    "progress": False,
+}
+
 
 def count_of_a(prompts, completions, completion_ids=None, **columns) -> list[float]:
     """A reward the tiny model can learn: the fraction of characters that are 'a'."""
@@ -37,23 +53,7 @@ def tiny_dataset(size: int = 64) -> Dataset:
 
 def main() -> None:
     model_dir, output_dir, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    settings = {
-        "model": model_dir,
-        "output_dir": output_dir,
-        "num_generations": 4,
-        "num_generations_kept": 2,
-        "prompts_per_step": 2,
-        "micro_batch_size": 2,
-        "max_completion_length": 8,
-        "learning_rate": 1e-3,
-        "max_time": None,
-        "max_steps": 2,
-        "eval_at_start": False,
-        "eval_every_seconds": None,
-        "save_every_seconds": None,
-        "progress": False,
-        **overrides,
-    }
+    settings = {"model": model_dir, "output_dir": output_dir, **TINY_SETTINGS, **overrides}
     trainer = PODSTrainer(
         TrainConfig.from_dict(settings), reward_funcs=[count_of_a], train_dataset=tiny_dataset()
     )
