@@ -72,7 +72,13 @@ def plot_comparison(
     figure, axis = plt.subplots(figsize=(8, 5))
     for arm, runs in curves.items():
         seconds, mean, low, high = mean_curve(runs)
-        axis.plot(seconds, [100 * a for a in mean], "o-", markersize=3, label=f"{arm} ({len(runs)} seeds)")
+        axis.plot(
+            seconds,
+            [100 * a for a in mean],
+            "o-",
+            markersize=3,
+            label=f"{arm} ({len(runs)} seed{'s' if len(runs) != 1 else ''})",
+        )
         axis.fill_between(seconds, [100 * a for a in low], [100 * a for a in high], alpha=0.2)
     axis.set(
         xlabel="training wall-clock (s, evaluation excluded)", ylabel="held-out accuracy (%)", title=title
