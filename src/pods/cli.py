@@ -45,7 +45,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from pods.trainer import train
 
     config = load_train_config(args.config, overrides)
-    _configure_threads()
+    _quiet_libraries()
     result = train(config)
     if not _is_main_process():
         return 0
@@ -78,7 +78,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if overrides:
         raise SystemExit(f"pods eval: error: unrecognized arguments: {' '.join(overrides)}")
-    _configure_threads()
+    _quiet_libraries()
     model_dir = find_model_folder(args.model)
     model = load_model_for_eval(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -157,7 +157,7 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
 
     config_name = args.config or "compare-embedded"
     config = load_train_config(config_name, overrides)
-    _configure_threads()
+    _quiet_libraries()
     output = Path(args.output or Path("runs") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
     seeds = [int(seed) for seed in args.seeds.split(",")]
@@ -341,8 +341,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _configure_threads() -> None:
+def _quiet_libraries() -> None:
+    """Quiet the libraries' own chatter (weight-loading bars, save notices) so the run's output reads."""
+    import logging
+
+    import transformers
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
 
 
 def _is_main_process() -> bool:
