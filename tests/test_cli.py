@@ -191,3 +191,27 @@ def test_presets_are_the_papers_settings() -> None:
     multi = yaml.safe_load((PRESETS_DIR / "gsm8k-8gpu-pods.yaml").read_text())
     assert (multi["num_generations"], multi["num_generations_kept"], multi["lora_r"]) == (128, 32, 0)
     assert (PRESETS_DIR / "accelerate" / "deepspeed_zero2.yaml").is_file()
+
+
+def test_eval_on_a_lora_checkpoint(tiny_run_config: Path, tmp_path: Path, shared_data: Path) -> None:
+    from pods.cli import load_train_config
+    from pods.trainer import PODSTrainer
+
+    overrides = ["--output_dir", str(tmp_path / "lora"), "--lora_r", "4", "--max_steps", "1"]
+    overrides += ["--eval_every_seconds", "null", "--eval_at_start", "false"]
+    PODSTrainer(load_train_config(str(tiny_run_config), overrides)).train()
+    adapter = next((tmp_path / "lora" / "checkpoints").glob("step-*")) / "model"
+    assert (adapter / "adapter_config.json").is_file()  # the export is the adapter, not a full copy
+    report = tmp_path / "lora.json"
+    args = [
+        "eval",
+        "--model",
+        str(tmp_path / "lora"),
+        "--dataset",
+        "gsm8k",
+        "--source",
+        str(shared_data / "gsm8k"),
+    ]
+    assert main([*args, "--limit", "4", "--max-new-tokens", "4", "--output", str(report)]) == 0
+    values = json.loads(report.read_text())
+    assert values["model"] == str(adapter) and values["num_problems"] == 4
