@@ -14,7 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
-# Tiny models run faster on one thread than on two competing ones (and leave a core to subprocesses).
+# Tiny models run faster on one thread than on two competing ones (and leave a core to subprocesses);
+# set once here for the whole suite.
 torch.set_num_threads(1)
 
 

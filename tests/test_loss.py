@@ -55,15 +55,6 @@ def test_selected_token_logprobs_rejects_bad_shapes_and_temperature():
 # ----------------------------------------------------------------------------- completion_logprobs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread; with 2 shared cores, 2 threads can be 100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer

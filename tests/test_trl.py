@@ -46,15 +46,6 @@ def lowest_rewards(rewards: torch.Tensor, m: int, generator: torch.Generator | N
 register_rule("test_lowest", lowest_rewards, overwrite=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread; on 2 shared cores, 2 threads are much slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def prompts() -> Dataset:
     return Dataset.from_list(
