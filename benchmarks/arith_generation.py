@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 from pods.data.arith import format_prompt, format_solution, generate_problems, spec_for_difficulty
@@ -22,33 +21,15 @@ def problems_per_second(num_problems: int, *, difficulty: int = 1, split: str | 
     return len(problems) / (time.perf_counter() - start)
 
 
-def sampling_seconds(prompts: int, per_prompt: int, new_tokens: int = 32, repeats: int = 3) -> float:
-    """Median seconds for the shipped model to sample ``per_prompt`` completions of ``new_tokens`` tokens
-    for each of ``prompts`` test prompts."""
-    import torch
+def shipped_model_sampling_seconds(prompts: int, per_prompt: int) -> float:
+    """Median seconds for the shipped model to sample ``per_prompt`` 32-token completions per prompt."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pods.embedded import default_model_path
+    from pods.embedded import default_model_path, sampling_seconds
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     model = AutoModelForCausalLM.from_pretrained(default_model_path()).eval()
-    texts = [format_prompt(p.question) for p in generate_problems(prompts, seed=1, split="test")]
-    batch = tokenizer(texts, return_tensors="pt", padding=True)
-    times = []
-    with torch.no_grad():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model.generate(
-                **batch,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                num_return_sequences=per_prompt,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-            )
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return sampling_seconds(model, tokenizer, prompts=prompts, per_prompt=per_prompt)
 
 
 def main() -> None:
@@ -65,7 +46,7 @@ def main() -> None:
             )
     if args.model:
         for prompts, per_prompt in ((16, 4), (16, 16), (16, 64)):
-            seconds = sampling_seconds(prompts, per_prompt)
+            seconds = shipped_model_sampling_seconds(prompts, per_prompt)
             print(
                 f"shipped model: {prompts} prompts x {per_prompt} samples x 32 tokens: {seconds:.2f} s (median of 3)"
             )

@@ -10,39 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from pods.embedded import MODEL_CONFIG, build_base_model, evaluate
+from pods.embedded import MODEL_CONFIG, build_base_model, evaluate, sampling_seconds
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "pods" / "assets" / "arith-base"
-
-
-def generation_speed(model, tokenizer, *, prompts: int = 16, per_prompt: int = 16, repeats: int = 3) -> float:
-    """Median seconds to sample ``per_prompt`` completions of 32 new tokens for ``prompts`` test prompts."""
-    from pods.data.arith import format_prompt, generate_problems
-
-    texts = [format_prompt(p.question) for p in generate_problems(prompts, seed=1, split="test")]
-    batch = tokenizer(texts, return_tensors="pt", padding=True)
-    times = []
-    with torch.no_grad():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model.generate(
-                **batch,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                num_return_sequences=per_prompt,
-                max_new_tokens=32,
-                min_new_tokens=32,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def model_card(metrics: dict) -> str:
@@ -105,7 +79,7 @@ def main() -> None:
     metrics["greedy"] = evaluate(model, tokenizer, num_problems=args.eval_problems)
     torch.manual_seed(args.seed)
     metrics["sampled_t1"] = evaluate(model, tokenizer, num_problems=args.eval_problems, temperature=1.0)
-    metrics["generate_16x16x32_s"] = round(generation_speed(model, tokenizer), 3)
+    metrics["generate_16x16x32_s"] = round(sampling_seconds(model, tokenizer), 3)
     metrics["weights_mb"] = (args.out / "model.safetensors").stat().st_size / 1e6
     (args.out / "README.md").write_text(model_card(metrics))
     (args.out / "build_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

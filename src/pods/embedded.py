@@ -213,6 +213,41 @@ def build_base_model(
     return metrics
 
 
+def sampling_seconds(
+    model: Any,
+    tokenizer: Any,
+    *,
+    prompts: int = 16,
+    per_prompt: int = 16,
+    new_tokens: int = 32,
+    repeats: int = 3,
+) -> float:
+    """Median seconds for ``model`` to sample ``per_prompt`` completions of exactly ``new_tokens`` tokens
+    for each of ``prompts`` test prompts (HF ``generate`` with its KV cache)."""
+    import statistics
+
+    import torch
+
+    texts = [arith.format_prompt(p.question) for p in arith.generate_problems(prompts, seed=1, split="test")]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model.generate(
+                **batch,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                num_return_sequences=per_prompt,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def default_model_path() -> Path:
     """The base model shipped inside the package (``pods/assets/arith-base``)."""
     path = Path(str(resources.files("pods") / "assets" / "arith-base"))

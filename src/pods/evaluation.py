@@ -85,10 +85,8 @@ def evaluate(
 
     count = torch.tensor(float(len(rows) * k), dtype=torch.float64)
     if accelerator is not None and world > 1:
-        totals, count = (
-            accelerator.reduce(totals.to(accelerator.device), "sum").cpu(),
-            accelerator.reduce(count.to(accelerator.device), "sum").cpu(),
-        )
+        sums = accelerator.reduce(torch.cat([totals, count.view(1)]).to(accelerator.device), "sum").cpu()
+        totals, count = sums[:3], sums[3]
     fractions = (totals / count.clamp_min(1)).tolist()
     return EvalResult(
         accuracy=fractions[0],

@@ -35,7 +35,7 @@ from pods.checkpoint import (
 from pods.config import ConfigError, TrainConfig
 from pods.evaluation import EvalResult, evaluate
 from pods.loss import completion_logprobs, policy_loss
-from pods.metrics import JsonlLog
+from pods.metrics import JsonlLog, read_jsonl
 from pods.models import Policy, load_policy, load_reference
 from pods.progress import TrainingProgress
 from pods.rollout import HFGenerateEngine, Rollouts, SamplingParams
@@ -256,8 +256,6 @@ class PODSTrainer:
             checkpoint = self._save(state) if cfg.save_final else None
         if cfg.report_to:
             acc.end_training()
-        from pods.metrics import read_jsonl
-
         evals = read_jsonl(self.eval_log.path) if self.eval_log.path.is_file() else []
         return TrainResult(self.output_dir, state.step, state.train_seconds, evals, checkpoint)
 
