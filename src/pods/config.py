@@ -27,7 +27,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 SCHEDULERS = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adamw", "adamw_8bit")
 EVAL_PROTOCOLS = ("greedy", "sampled")
-ROLLOUT_ENGINES = ("hf",)  # the engine protocol (pods.rollout) is where vLLM slots in
+ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # auto: vLLM where it is installed and can run, else hf
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 
 EMBEDDED_MODEL = "embedded"
@@ -71,7 +71,12 @@ class TrainConfig:
     top_k: int = 0
     stop_strings: list[str] = field(default_factory=list)
     generation_batch_size: int = 256  # completions generated per forward batch
-    rollout_engine: str = "hf"
+    rollout_engine: str = "auto"  # auto (vLLM where it can run, else hf), hf (transformers generate), vllm
+    vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM may take (colocated with training)
+    vllm_enable_sleep_mode: bool = False  # GPU: offload vLLM's weights and KV cache during the update
+    vllm_max_model_length: int | None = None  # default: max_prompt_length + max_completion_length
+    vllm_tensor_parallel_size: int = 1
+    vllm_cpu_kv_cache_gb: float = 1.0  # CPU only: memory for vLLM's KV cache
 
     # --- rewards and loss ---
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
@@ -83,6 +88,8 @@ class TrainConfig:
     epsilon: float = 0.2
     epsilon_high: float | None = None  # defaults to epsilon; DAPO uses 0.28
     num_iterations: int = 1  # optimisation passes over each batch of kept rollouts
+    vllm_importance_sampling_correction: bool = True  # reweight tokens by trainer/sampler prob (vLLM only)
+    vllm_importance_sampling_cap: float = 3.0  # per-token importance weights are truncated at this value
 
     # --- optimisation ---
     learning_rate: float = 3e-5
@@ -159,6 +166,23 @@ class TrainConfig:
         _choice(self.eval_protocol, EVAL_PROTOCOLS, "eval_protocol")
         _choice(self.rollout_engine, ROLLOUT_ENGINES, "rollout_engine")
         _choice(self.mixed_precision, PRECISIONS, "mixed_precision")
+        _require(
+            0 < self.vllm_gpu_memory_utilization <= 1,
+            "vllm_gpu_memory_utilization",
+            f"must be in (0, 1], got {self.vllm_gpu_memory_utilization}",
+        )
+        _require(
+            self.vllm_max_model_length is None or self.vllm_max_model_length >= 2,
+            "vllm_max_model_length",
+            "must be at least 2 (prompt + completion tokens) or null",
+        )
+        _require(self.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size", "must be at least 1")
+        _require(self.vllm_cpu_kv_cache_gb > 0, "vllm_cpu_kv_cache_gb", "must be positive (GiB)")
+        _require(
+            self.vllm_importance_sampling_cap >= 1,
+            "vllm_importance_sampling_cap",
+            f"must be >= 1 (a cap below 1 would shrink every token's weight), got {self.vllm_importance_sampling_cap}",
+        )
         _choice(self.prompt_style, ("chat", "plain", "raw"), "prompt_style")
         _choice(self.dtype, ("float32", "bfloat16", "float16", "auto"), "dtype")
         _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pods.rollout import HFGenerateEngine, SamplingParams
+from pods.rollout import HFGenerateEngine, RolloutEngine, SamplingParams
 
 _ANSWER_TAG = re.compile(r"<answer>.*?</answer>", re.DOTALL)
 _HASH_ANSWER = re.compile(r"####\s*\S")
@@ -53,8 +53,13 @@ def evaluate(
     stop_strings: tuple[str, ...] = (),
     accelerator: Any = None,
     progress: bool = False,
+    engine: RolloutEngine | None = None,
 ) -> EvalResult:
-    """Score ``model`` on every row of ``dataset`` (columns ``prompt``, ``answer``), sharded over processes."""
+    """Score ``model`` on every row of ``dataset`` (columns ``prompt``, ``answer``), sharded over processes.
+
+    ``engine`` samples the completions (the trainer passes its own, which holds the training weights);
+    by default HF ``generate`` on ``model``.
+    """
     from pods.prompts import render_prompt
 
     if protocol not in ("greedy", "sampled"):
@@ -67,7 +72,7 @@ def evaluate(
     )
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     rows = [dataset[i] for i in range(rank, len(dataset), world)]
-    engine = HFGenerateEngine(model, tokenizer, generation_batch_size=batch_size)
+    engine = engine or HFGenerateEngine(model, tokenizer, generation_batch_size=batch_size)
     prompts_per_batch = max(1, batch_size // k)
 
     start = time.perf_counter()

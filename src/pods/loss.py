@@ -20,8 +20,10 @@ __all__ = [
     "LOSS_TYPES",
     "LossOutput",
     "completion_logprobs",
+    "mean_abs_difference",
     "policy_loss",
     "selected_token_logprobs",
+    "truncated_importance_weights",
 ]
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
@@ -225,6 +227,7 @@ def policy_loss(
     *,
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
+    importance_weights: Tensor | None = None,
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
     beta: float = 0.0,
@@ -245,6 +248,9 @@ def policy_loss(
     - ``"dr_grpo"``: token sum / (``total_sequences`` x ``max_completion_length``).
 
     ``old_logprobs=None`` means on-policy: ratio 1 with gradients flowing through ``logprobs``.
+    ``importance_weights`` (``[B, L]``, no gradient) multiplies each token's surrogate term, not the KL:
+    the correction for a sampler whose probabilities differ from the trainer's
+    (:func:`truncated_importance_weights`).
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}.")
@@ -253,6 +259,7 @@ def policy_loss(
     _check_same_shape("mask", mask, logprobs.shape)
     _check_same_shape("old_logprobs", old_logprobs, logprobs.shape)
     _check_same_shape("ref_logprobs", ref_logprobs, logprobs.shape)
+    _check_same_shape("importance_weights", importance_weights, logprobs.shape)
     if advantages.ndim == 1:
         advantages = advantages.unsqueeze(1)
     batch, length = logprobs.shape
@@ -289,6 +296,8 @@ def policy_loss(
     clipped_ratio = ratio.clamp(1.0 - epsilon, 1.0 + epsilon_high)
     unclipped_term, clipped_term = ratio * advantages, clipped_ratio * advantages
     per_token = -torch.minimum(unclipped_term, clipped_term)
+    if importance_weights is not None:
+        per_token = per_token * importance_weights.detach().to(device).float().masked_fill(~mask, 0.0)
     if ref_logprobs is not None:
         delta = ref_logprobs.to(device).float().masked_fill(~mask, 0.0) - logprobs
         k3 = torch.exp(delta) - delta - 1.0
@@ -316,3 +325,30 @@ def policy_loss(
             ratio_mean=(ratio * mask).sum() / denom,
             num_tokens=num_tokens,
         )
+
+
+def truncated_importance_weights(
+    trainer_logprobs: Tensor, sampling_logprobs: Tensor, mask: Tensor, cap: float
+) -> Tensor:
+    """Per-token ``min(exp(logp_trainer - logp_sampler), cap)``, 0 on padding (TRL's "token_truncate").
+
+    A sampler such as vLLM computes slightly different probabilities than the trained model (other
+    kernels, other precision): the surrogate's gradient is only unbiased for tokens drawn from the
+    trainer's policy, so each token is reweighted by the ratio of the two, truncated to bound the variance.
+    """
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1, got {cap}.")
+    _check_same_shape("sampling_logprobs", sampling_logprobs, trainer_logprobs.shape)
+    _check_same_shape("mask", mask, trainer_logprobs.shape)
+    mask = mask.to(trainer_logprobs.device).bool()
+    delta = (
+        trainer_logprobs.detach().float() - sampling_logprobs.to(trainer_logprobs.device).float()
+    ).masked_fill(~mask, 0.0)
+    return torch.exp(delta).clamp(max=cap).masked_fill(~mask, 0.0)
+
+
+def mean_abs_difference(logprobs: Tensor, other: Tensor, mask: Tensor) -> float:
+    """Mean ``|logprobs - other|`` over masked tokens: the sampler/trainer mismatch logged each step."""
+    mask = mask.to(logprobs.device).bool()
+    difference = (logprobs.detach().float() - other.to(logprobs.device).float()).abs().masked_fill(~mask, 0.0)
+    return float(difference.sum() / mask.sum().clamp_min(1))

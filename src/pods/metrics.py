@@ -15,6 +15,7 @@ TIMING_KEYS = (
     "seconds_score",
     "seconds_select",
     "seconds_update",
+    "seconds_sync",
     "seconds_step",
     "tokens_per_second",
     "peak_memory_mb",

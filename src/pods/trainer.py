@@ -34,11 +34,11 @@ from pods.checkpoint import (
 )
 from pods.config import ConfigError, TrainConfig
 from pods.evaluation import EvalResult, evaluate
-from pods.loss import completion_logprobs, policy_loss
+from pods.loss import completion_logprobs, mean_abs_difference, policy_loss, truncated_importance_weights
 from pods.metrics import JsonlLog, read_jsonl
 from pods.models import Policy, load_policy, load_reference
 from pods.progress import TrainingProgress
-from pods.rollout import HFGenerateEngine, Rollouts, SamplingParams
+from pods.rollout import Rollouts, SamplingParams, build_engine, choose_engine
 from pods.scoring import RewardFunction, reward_name, score_completions
 from pods.selection import select
 
@@ -159,6 +159,12 @@ class PODSTrainer:
             gradient_accumulation_steps=micro_batches,
         )
         acc = self.accelerator
+        try:  # config.yaml records the engine that runs, whatever was asked
+            cfg.rollout_engine, self.engine_reason = choose_engine(
+                cfg.rollout_engine, load_in_4bit=cfg.load_in_4bit
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.output_dir / "config.yaml")
@@ -187,11 +193,21 @@ class PODSTrainer:
         if cfg.beta > 0 and not self.policy.is_lora:
             self.reference = load_reference(cfg).to(acc.device)
 
-        self.engine = HFGenerateEngine(
+        self.engine = build_engine(
+            cfg.rollout_engine,
             acc.unwrap_model(self.model),
             self.tokenizer,
             generation_batch_size=cfg.generation_batch_size,
             max_prompt_length=cfg.max_prompt_length,
+            vllm_options={
+                "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization,
+                "max_model_length": cfg.vllm_max_model_length
+                or (cfg.max_prompt_length and cfg.max_prompt_length + cfg.max_completion_length),
+                "tensor_parallel_size": cfg.vllm_tensor_parallel_size,
+                "enable_sleep_mode": cfg.vllm_enable_sleep_mode,
+                "kv_cache_gb": cfg.vllm_cpu_kv_cache_gb,
+                "seed": cfg.seed + acc.process_index,
+            },
         )
         self.sampling = SamplingParams(
             max_new_tokens=cfg.max_completion_length,
@@ -211,7 +227,9 @@ class PODSTrainer:
         cfg, acc = self.config, self.accelerator
         n, m = cfg.num_generations, cfg.num_generations_kept
         state = self._resume_or_start()
+        self.engine.sync_weights(acc.unwrap_model(self.model))  # the resumed weights, for vLLM
         with TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time) as progress:
+            progress.message(f"rollout engine: {cfg.rollout_engine} ({self.engine_reason})")
             if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
                 self._evaluate(state, progress)
             while not self._finished(state):
@@ -233,6 +251,8 @@ class PODSTrainer:
                     kept_rollouts = rollouts.select(rows)
                 with timer("update"):  # 5. the GRPO update on the kept rows only
                     update = self._update(kept_rollouts, advantages.flatten())
+                with timer("sync"):  # the engine samples the next step from the new weights (no-op for hf)
+                    self.engine.sync_weights(acc.unwrap_model(self.model))
 
                 state.step += 1
                 state.train_seconds += self._synced(timer.total)
@@ -304,6 +324,8 @@ class PODSTrainer:
             )
 
         parts = [slice(start, start + micro) for start in range(0, rows, micro)]
+        sampling_logprobs = batch.sampling_logprobs
+        correct = cfg.vllm_importance_sampling_correction and sampling_logprobs is not None
         old_logprobs = ref_logprobs = None
         if cfg.num_iterations > 1:
             with torch.no_grad():
@@ -314,19 +336,29 @@ class PODSTrainer:
 
         model.train()
         totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
-        grad_norms = []
+        grad_norms, mismatch = [], []
+        sampler_weights: dict[int, torch.Tensor] = {}  # per micro-batch, from the first pass
         for _ in range(cfg.num_iterations):
             for part in parts:
                 # accelerate syncs gradients (DDP / DeepSpeed / FSDP) and lets the optimizer step only on
                 # the last micro-batch of each pass; it divides the loss by the number of micro-batches,
                 # which our loss already accounts for (each part is its share of the batch loss).
                 with acc.accumulate(model):
+                    logprobs = logprobs_of(model, part)
+                    if sampling_logprobs is not None and part.start not in sampler_weights:
+                        # first pass: the trainer's log-probs before this update against the sampler's
+                        before = logprobs if old_logprobs is None else old_logprobs[part]
+                        sampler_weights[part.start] = truncated_importance_weights(
+                            before, sampling_logprobs[part], mask[part], cfg.vllm_importance_sampling_cap
+                        )
+                        mismatch.append(mean_abs_difference(before, sampling_logprobs[part], mask[part]))
                     out = policy_loss(
-                        logprobs_of(model, part),
+                        logprobs,
                         advantages[part],
                         mask[part],
                         old_logprobs=None if old_logprobs is None else old_logprobs[part],
                         ref_logprobs=None if ref_logprobs is None else ref_logprobs[part],
+                        importance_weights=sampler_weights.get(part.start) if correct else None,
                         epsilon=cfg.epsilon,
                         epsilon_high=cfg.epsilon_high,
                         beta=cfg.beta,
@@ -346,6 +378,13 @@ class PODSTrainer:
                 totals["loss"] += out.loss.item() / cfg.num_iterations
                 totals["kl"] += out.kl.item() * weight
                 totals["clip_fraction"] += out.clip_fraction.item() * weight
+        if mismatch:  # TRL's names: how far the sampler's log-probs are from the trainer's
+            totals["sampling/sampling_logp_difference/mean"] = sum(mismatch) / len(mismatch)
+            ratios = [
+                (w.sum() / mask[slice(s, s + micro)].sum().clamp_min(1)).item()
+                for s, w in sampler_weights.items()
+            ]
+            totals["sampling/importance_sampling_ratio/mean"] = sum(ratios) / len(ratios)
         return {**totals, "grad_norm": sum(grad_norms) / len(grad_norms)}
 
     @contextlib.contextmanager
@@ -438,6 +477,7 @@ class PODSTrainer:
             prompt_style=cfg.prompt_style,
             stop_strings=tuple(cfg.stop_strings),
             accelerator=self.accelerator,
+            engine=self.engine,
         )
         state.last_eval_seconds = state.train_seconds
         state.best_accuracy = max(state.best_accuracy or 0.0, result.accuracy)

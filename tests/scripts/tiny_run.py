@@ -31,6 +31,7 @@ TINY_SETTINGS = {
     "eval_every_seconds": None,
     "save_every_seconds": None,
     "progress": False,
+    "rollout_engine": "hf",  # tests/test_vllm.py covers the vLLM engine
 }
 
 

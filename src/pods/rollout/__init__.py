@@ -1,6 +1,70 @@
-"""Rollout engines: sample n completions per prompt behind one small protocol (HF ``generate`` now, vLLM later)."""
+"""Rollout engines: sample n completions per prompt behind one small protocol (HF ``generate`` or vLLM).
 
+:func:`choose_engine` turns the ``rollout_engine`` setting (``auto``, ``hf``, ``vllm``) into the engine
+that runs here and says why; :func:`build_engine` builds it around the model being trained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pods.config import ROLLOUT_ENGINES
 from pods.rollout.base import RolloutEngine, Rollouts, SamplingParams
 from pods.rollout.hf import HFGenerateEngine
 
-__all__ = ["HFGenerateEngine", "RolloutEngine", "Rollouts", "SamplingParams"]
+__all__ = [
+    "ROLLOUT_ENGINES",
+    "HFGenerateEngine",
+    "RolloutEngine",
+    "Rollouts",
+    "SamplingParams",
+    "build_engine",
+    "choose_engine",
+]
+
+
+def choose_engine(requested: str, *, load_in_4bit: bool = False) -> tuple[str, str]:
+    """``(engine, reason)``: ``auto`` is vLLM where it is installed and can run here, else HF ``generate``."""
+    if requested not in ROLLOUT_ENGINES:
+        raise ValueError(
+            f"rollout_engine: unknown value {requested!r}; choose one of {', '.join(ROLLOUT_ENGINES)}"
+        )
+    if requested == "hf":
+        return "hf", "requested"
+    from pods.rollout.vllm import vllm_unavailable_reason
+
+    reason = vllm_unavailable_reason()
+    if reason is None and load_in_4bit:
+        reason = "a 4-bit (QLoRA) base is not pushed into vLLM by pods yet"
+    if requested == "vllm":
+        if reason is not None:
+            raise ValueError(
+                f"rollout_engine: vllm cannot run here: {reason}; use rollout_engine: hf or auto"
+            )
+        return "vllm", "requested"
+    if reason is not None:
+        return "hf", f"auto: {reason}"
+    return "vllm", "auto: vLLM is installed and can run here"
+
+
+def build_engine(
+    name: str,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    generation_batch_size: int = 64,
+    max_prompt_length: int | None = None,
+    vllm_options: dict[str, Any] | None = None,
+) -> RolloutEngine:
+    """The engine called ``name`` ("hf" or "vllm") sampling from ``model``; ``vllm_options`` go to VLLMEngine."""
+    if name == "hf":
+        return HFGenerateEngine(
+            model, tokenizer, generation_batch_size=generation_batch_size, max_prompt_length=max_prompt_length
+        )
+    if name == "vllm":
+        from pods.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(model, tokenizer, max_prompt_length=max_prompt_length, **(vllm_options or {}))
+    raise ValueError(f"unknown rollout engine {name!r}; choose hf or vllm")

@@ -7,7 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["RolloutEngine", "Rollouts", "SamplingParams"]
+__all__ = ["RolloutEngine", "Rollouts", "SamplingParams", "cut_after_stop", "left_pad", "tokenize_prompts"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class Rollouts:
     truncated: torch.Tensor  # [P*n] bool: hit max_new_tokens without EOS or stop string
     num_prompts: int
     num_generations: int
+    # [P*n, Lc] log-probs the sampler drew each completion token with (0 on padding), from engines that
+    # report them (vLLM); the trainer corrects the sampler/trainer mismatch with them. None for HF.
+    sampling_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         rows = self.num_prompts * self.num_generations
@@ -75,11 +78,16 @@ class Rollouts:
             or self.completion_ids.shape != self.completion_mask.shape
             or len(self.texts) != rows
             or tuple(self.truncated.shape) != (rows,)
+            or (
+                self.sampling_logprobs is not None
+                and self.sampling_logprobs.shape != self.completion_ids.shape
+            )
         ):
             raise ValueError(
                 f"inconsistent Rollouts: {self.num_prompts} prompts x {self.num_generations} generations = "
                 f"{rows} rows, but shapes are { {k: tuple(v) for k, v in shapes.items()} }, "
-                f"{len(self.texts)} texts, truncated {tuple(self.truncated.shape)}."
+                f"{len(self.texts)} texts, truncated {tuple(self.truncated.shape)}, sampling_logprobs "
+                f"{None if self.sampling_logprobs is None else tuple(self.sampling_logprobs.shape)}."
             )
 
     def __len__(self) -> int:
@@ -125,6 +133,9 @@ class Rollouts:
             truncated=self.truncated[rows],
             num_prompts=num_prompts,
             num_generations=num_generations,
+            sampling_logprobs=(
+                None if self.sampling_logprobs is None else self.sampling_logprobs[rows][:, :completion_end]
+            ),
         )
 
 
@@ -142,9 +153,75 @@ def _group_layout(groups: torch.Tensor) -> tuple[int, int]:
     return rows, 1
 
 
+def check_generate_args(prompts: list[str], num_generations: int) -> None:
+    """The argument checks every engine's ``generate`` makes."""
+    if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(
+            "prompts must be a non-empty list of strings (already rendered with the chat template)."
+        )
+    if num_generations < 1:
+        raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
+
+
+def tokenize_prompts(
+    tokenizer, prompts: list[str], *, add_special_tokens: bool, max_prompt_length: int | None
+) -> list[list[int]]:
+    """Token ids of each rendered prompt, checked: none empty, none longer than ``max_prompt_length``."""
+    encoded = tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"]
+    longest = max(len(ids) for ids in encoded)
+    if max_prompt_length is not None and longest > max_prompt_length:
+        index = next(i for i, ids in enumerate(encoded) if len(ids) == longest)
+        raise ValueError(
+            f"prompt {index} has {longest} tokens, more than max_prompt_length={max_prompt_length}; "
+            "drop or shorten long prompts before generation, or raise max_prompt_length."
+        )
+    if min(len(ids) for ids in encoded) == 0:
+        raise ValueError("an empty prompt tokenizes to no tokens; every prompt needs at least one token.")
+    return [list(ids) for ids in encoded]
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` of the sequences left-padded with ``pad_id`` to the longest."""
+    longest = max(len(ids) for ids in sequences)
+    ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), longest), dtype=torch.long)
+    for row, tokens in enumerate(sequences):
+        if tokens:
+            ids[row, -len(tokens) :] = torch.tensor(tokens)
+            mask[row, -len(tokens) :] = 1
+    return ids, mask
+
+
+def eos_token_ids(tokenizer, model: torch.nn.Module) -> list[int]:
+    """The tokenizer's EOS plus every EOS id of the model's generation config."""
+    ids = [tokenizer.eos_token_id]
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += config_eos if isinstance(config_eos, list | tuple) else [config_eos]
+    return sorted({int(i) for i in ids if i is not None})
+
+
+def pad_token_id(tokenizer, model: torch.nn.Module, eos_ids: list[int]) -> int:
+    """The tokenizer's pad id, else the generation config's, else the first EOS id."""
+    candidates = [
+        tokenizer.pad_token_id,
+        getattr(getattr(model, "generation_config", None), "pad_token_id", None),
+        *eos_ids,
+    ]
+    for candidate in candidates:
+        if candidate is not None:
+            return int(candidate)
+    raise ValueError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token first.")
+
+
+def cut_after_stop(text: str, stop_strings: tuple[str, ...]) -> str:
+    """Cut ``text`` right after the earliest-ending stop string it contains (the last token may overhang)."""
+    ends = [text.find(s) + len(s) for s in stop_strings if s in text]
+    return text[: min(ends)] if ends else text
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """Anything that samples completions for the trainer (HF ``generate`` now, vLLM later)."""
+    """Anything that samples completions for the trainer (HF ``generate`` or vLLM)."""
 
     def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
         """``num_generations`` completions of each rendered prompt, as a prompt-major :class:`Rollouts`."""

