@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 
-from pods.loss import LOSS_TYPES, completion_logprobs, policy_loss, selected_token_logprobs
+from pods.loss import (
+    LOSS_TYPES,
+    completion_logprobs,
+    mean_abs_difference,
+    policy_loss,
+    selected_token_logprobs,
+    truncated_importance_weights,
+)
 
 # ----------------------------------------------------------------------------- selected_token_logprobs
 
@@ -305,3 +312,35 @@ def test_policy_loss_rejects_bad_input():
         policy_loss(logprobs, ADV, MASK, **{**_totals(), "total_sequences": 0})
     with pytest.raises(ValueError, match="total_tokens"):
         policy_loss(logprobs, ADV, MASK, loss_type="dapo", **{**_totals(), "total_tokens": 0})
+
+
+def test_truncated_importance_weights_by_hand():
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    sampler = torch.tensor([[-1.5, -1.0, -0.5 - math.log(5.0), 7.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    weights = truncated_importance_weights(trainer, sampler, mask, cap=3.0)
+    expected = torch.tensor([[math.exp(0.5), math.exp(-1.0), 3.0, 0.0]])  # 5 capped at 3; padding 0
+    assert torch.allclose(weights, expected)
+    assert mean_abs_difference(trainer, sampler, mask) == pytest.approx((0.5 + 1.0 + math.log(5.0)) / 3)
+    with pytest.raises(ValueError, match="cap must be >= 1"):
+        truncated_importance_weights(trainer, sampler, mask, cap=0.5)
+
+
+def test_policy_loss_importance_weights_scale_each_tokens_surrogate_but_not_the_kl():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]], requires_grad=True)
+    ref = torch.tensor([[-1.2, -1.5, -0.5], [-0.3, -1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    advantages = torch.tensor([1.5, -0.5])
+    weights = torch.tensor([[2.0, 0.5, 1.0], [3.0, 1.0, 100.0]])  # the last one sits on padding
+    common = dict(total_sequences=2, total_tokens=5, max_completion_length=3, loss_type="bnpo")
+    weighted = policy_loss(
+        logprobs, advantages, mask, ref_logprobs=ref, beta=0.1, importance_weights=weights, **common
+    )
+    surrogate = -(advantages[:, None] * weights * mask).sum() / 5  # on-policy: ratio 1
+    kl = policy_loss(logprobs, torch.zeros(2), mask, ref_logprobs=ref, beta=0.1, **common).loss
+    assert weighted.loss.item() == pytest.approx(surrogate.item() + kl.item(), rel=1e-6)
+    weighted.loss.backward()
+    unweighted = logprobs.detach().clone().requires_grad_(True)
+    policy_loss(unweighted, advantages, mask, ref_logprobs=ref, beta=0.1, **common).loss.backward()
+    assert not torch.allclose(logprobs.grad, unweighted.grad)  # the weights change the gradient
+    assert logprobs.grad[1, 2] == 0 and unweighted.grad[1, 2] == 0

@@ -87,6 +87,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     max_new_tokens = args.max_new_tokens or (32 if args.dataset == "arith" else 512)
     dataset = load_task(args.dataset, args.split, source=args.source, prompt_style=style, limit=args.limit)
+    engine = eval_engine(args.rollout_engine, model, tokenizer, dataset, max_new_tokens, args.batch_size)
     result = evaluate(
         model,
         tokenizer,
@@ -99,6 +100,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
         batch_size=args.batch_size,
         prompt_style=style,
         progress=True,
+        engine=engine,
     )
     report = {"model": str(model_dir), "dataset": args.dataset, "split": args.split, "prompt_style": style}
     report.update(result.to_dict())
@@ -115,6 +117,33 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     print(f"  report written to {output} ({result.seconds:.0f} s)")
     return 0
+
+
+def eval_engine(requested: str, model, tokenizer, dataset, max_new_tokens: int, batch_size: int):
+    """The rollout engine ``pods eval`` samples with (``auto``: vLLM where it can run); says which."""
+    from pods.config import ConfigError
+    from pods.prompts import render_prompt
+    from pods.rollout import build_engine, choose_engine
+
+    try:
+        name, reason = choose_engine(requested)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    print(f"rollout engine: {name} ({reason})")
+    longest = max(
+        (
+            len(tokenizer(render_prompt(dataset[i]["prompt"], tokenizer))["input_ids"])
+            for i in range(len(dataset))
+        ),
+        default=1,
+    )
+    return build_engine(
+        name,
+        model,
+        tokenizer,
+        generation_batch_size=batch_size,
+        vllm_options={"max_model_length": longest + max_new_tokens},
+    )
 
 
 def find_model_folder(name: str) -> str:
@@ -287,6 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-style",
         choices=("chat", "plain"),
         help="default: chat when the tokenizer has a chat template",
+    )
+    evaluate.add_argument(
+        "--rollout-engine",
+        "--rollout_engine",
+        choices=("auto", "hf", "vllm"),
+        default="auto",
+        help="auto: vLLM where it is installed and can run, else Hugging Face generate (default: auto)",
     )
     evaluate.add_argument("--output", help="JSON report path (default: eval-DATASET-PROTOCOL.json)")
     evaluate.set_defaults(handler=_eval)

@@ -1,0 +1,203 @@
+"""Rollout engines side by side in one process: Hugging Face ``generate`` against vLLM (colocated, in-process).
+
+    python benchmarks/rollout_engines.py [--repeats 3] [--output rollout_engines.json]
+
+1. the embedded model (float32), 16 arithmetic test prompts x n in {4, 16, 64}, <= 32 new tokens, T = 1;
+2. a long-prompt case: GSM8K test prompts in the paper's chat format, a tiny random Qwen2 model with the
+   real Qwen2.5 tokenizer (151k vocabulary; ../shared/data/tokenizers/qwen2.5), 16 prompts x n = 16, 128 new
+   tokens (the random model rarely stops early);
+3. the engines' start-up and first call;
+4. the update (log-probs, loss, backward, AdamW step on 16 prompts x m = 4 kept rows) before any vLLM engine
+   exists, and again with the engine resident in the process (vLLM lowers torch to one thread on a CPU;
+   pods gives the update its threads back).
+
+Generation figures are medians over ``--repeats`` calls after one warm-up call, both engines through the
+same ``RolloutEngine.generate`` (real rollouts: EOS ends a completion), so tokens generated are reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pods.rollout import HFGenerateEngine, SamplingParams
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def timed(call, repeats: int) -> tuple[float, int]:
+    """(median seconds, completion tokens of the last call) over ``repeats`` calls after a warm-up."""
+    call()
+    seconds, tokens = [], 0
+    for repeat in range(repeats):
+        torch.manual_seed(repeat)
+        start = time.perf_counter()
+        rollouts = call()
+        seconds.append(time.perf_counter() - start)
+        tokens = int(rollouts.completion_mask.sum())
+    return statistics.median(seconds), tokens
+
+
+def embedded_setup():
+    from transformers import AutoModelForCausalLM
+
+    from pods.data.arith import format_prompt, generate_problems
+    from pods.embedded import default_model_path
+    from pods.models import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(str(default_model_path()))
+    prompts = [format_prompt(p.question) for p in generate_problems(16, seed=1, split="test")]
+    return model, tokenizer, prompts
+
+
+def long_prompt_setup():
+    """A 2-layer Qwen2 with the real Qwen2.5 tokenizer (~10M parameters, the embedding dominates)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from pods.data import load_task
+    from pods.models import load_tokenizer
+    from pods.prompts import render_prompt
+
+    tokenizer = load_tokenizer(str(SHARED / "tokenizers" / "qwen2.5"))
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    rows = load_task(
+        "gsm8k", "test", source=str(SHARED / "gsm8k"), prompt_style="chat", tokenizer=tokenizer, limit=16
+    )
+    prompts = [render_prompt(rows[i]["prompt"], tokenizer) for i in range(len(rows))]
+    return model, tokenizer, prompts
+
+
+def update_seconds(model, tokenizer, prompts: list[str], repeats: int) -> float:
+    """Median seconds of one PODS update on 16 prompts x 4 kept completions (fixed rollouts)."""
+    from pods.loss import completion_logprobs, policy_loss
+
+    torch.manual_seed(0)
+    batch = HFGenerateEngine(model, tokenizer).generate(
+        prompts, 4, SamplingParams(max_new_tokens=32, temperature=1.0)
+    )
+    advantages = torch.randn(len(batch))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: the weights stay as they are
+    mask = batch.completion_mask
+
+    def step() -> None:
+        logprobs = completion_logprobs(
+            model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, mask, temperature=1.0
+        )
+        loss = policy_loss(
+            logprobs,
+            advantages,
+            mask,
+            total_sequences=len(batch),
+            total_tokens=int(mask.sum()),
+            max_completion_length=32,
+        ).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    model.train()
+    step()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    model.eval()
+    return statistics.median(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", help="also write the figures to this JSON file")
+    args = parser.parse_args()
+    results: dict = {"torch_threads": torch.get_num_threads()}
+
+    model, tokenizer, prompts = embedded_setup()
+    long_model, long_tokenizer, long_prompts = long_prompt_setup()
+    short = SamplingParams(max_new_tokens=32, temperature=1.0)
+    long = SamplingParams(max_new_tokens=128, temperature=1.0)
+
+    # HF first, and the update, before any vLLM engine exists in the process.
+    results["update_seconds_without_engine"] = update_seconds(model, tokenizer, prompts, args.repeats)
+    start = time.perf_counter()
+    hf = HFGenerateEngine(model, tokenizer, generation_batch_size=1024)
+    results["hf_first_call_seconds"] = _first_call(hf, prompts, short)
+    results["hf_startup_seconds"] = time.perf_counter() - start - results["hf_first_call_seconds"]
+    for n in (4, 16, 64):
+        results[f"hf_embedded_n{n}"] = timed(lambda n=n: hf.generate(prompts, n, short), args.repeats)
+    hf_long = HFGenerateEngine(long_model, long_tokenizer, generation_batch_size=256)
+    results["hf_long_n16"] = timed(lambda: hf_long.generate(long_prompts, 16, long), args.repeats)
+
+    start = time.perf_counter()
+    from pods.rollout.vllm import VLLMEngine
+
+    vllm = VLLMEngine(model, tokenizer)
+    results["vllm_startup_seconds"] = time.perf_counter() - start  # import, engine, first weight push
+    results["vllm_first_call_seconds"] = _first_call(vllm, prompts, short)
+    start = time.perf_counter()
+    vllm.sync_weights(model)
+    results["vllm_sync_seconds"] = time.perf_counter() - start
+    for n in (4, 16, 64):
+        results[f"vllm_embedded_n{n}"] = timed(lambda n=n: vllm.generate(prompts, n, short), args.repeats)
+    results["torch_threads_with_engine"] = torch.get_num_threads()
+    results["update_seconds_with_engine"] = update_seconds(model, tokenizer, prompts, args.repeats)
+    vllm.close()
+    vllm_long = VLLMEngine(long_model, long_tokenizer)
+    results["vllm_long_n16"] = timed(lambda: vllm_long.generate(long_prompts, 16, long), args.repeats)
+
+    print(
+        f"torch threads: {results['torch_threads']} (with the vLLM engine: {results['torch_threads_with_engine']})"
+    )
+    print("| case | HF generate | vLLM | speed-up |\n|---|---|---|---|")
+    for key, label in [
+        ("embedded_n4", "embedded, 16 prompts x 4, 32 tokens"),
+        ("embedded_n16", "embedded, 16 prompts x 16, 32 tokens"),
+        ("embedded_n64", "embedded, 16 prompts x 64, 32 tokens"),
+        ("long_n16", "GSM8K chat prompts, tiny Qwen-vocab model, 16 x 16, 128 tokens"),
+    ]:
+        (hf_s, hf_tokens), (vllm_s, vllm_tokens) = results[f"hf_{key}"], results[f"vllm_{key}"]
+        print(
+            f"| {label} | {hf_s:.2f} s ({hf_tokens} tokens) | {vllm_s:.2f} s ({vllm_tokens} tokens) "
+            f"| {hf_s / vllm_s:.1f}x |"
+        )
+    print(
+        f"start-up: HF {results['hf_startup_seconds']:.2f} s + first call {results['hf_first_call_seconds']:.2f} s; "
+        f"vLLM {results['vllm_startup_seconds']:.2f} s (import, engine, weights) + first call "
+        f"{results['vllm_first_call_seconds']:.2f} s; weight push {results['vllm_sync_seconds'] * 1000:.0f} ms"
+    )
+    print(
+        f"update (16 prompts x m = 4): {results['update_seconds_without_engine']:.3f} s without the engine, "
+        f"{results['update_seconds_with_engine']:.3f} s with it resident"
+    )
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2))
+
+
+def _first_call(engine, prompts: list[str], sampling: SamplingParams) -> float:
+    start = time.perf_counter()
+    engine.generate(prompts, 4, sampling)
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    main()
