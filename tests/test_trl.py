@@ -24,7 +24,6 @@ from pods.integrations.trl import (
     PODSTrainer,
     advantage_scale,
     check_batch_arithmetic,
-    kept_row_indices,
     summed_rewards,
     take_rows,
 )
@@ -148,9 +147,7 @@ def test_scale_mapping_and_summed_rewards() -> None:
 
 
 def test_take_rows_keeps_every_per_row_entry_and_refuses_unknown_shapes() -> None:
-    kept = torch.tensor([[1, 3], [0, 2]])
-    rows = kept_row_indices(kept, num_generations=4)
-    assert rows.tolist() == [1, 3, 4, 6]
+    rows = torch.tensor([1, 3, 4, 6])  # positions [1, 3] of group 0 and [0, 2] of group 1, n = 4
     batch = {
         "completion_ids": torch.arange(16).view(8, 2),
         "advantages": torch.arange(8.0),
@@ -197,7 +194,7 @@ def test_generation_batch_keeps_the_selected_rows_of_each_group(
     batch = trainer._generate_and_score_completions(inputs)
     rewards = torch.tensor(token_sum_reward(seen)).view(4, 4)
     expected = select(rewards, 2, "max_variance")
-    rows = kept_row_indices(expected, 4).tolist()
+    rows = (expected + 4 * torch.arange(4).unsqueeze(1)).flatten().tolist()
     completions = [
         ids[mask.bool()].tolist()
         for ids, mask in zip(batch["completion_ids"], batch["completion_mask"], strict=True)

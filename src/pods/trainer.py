@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pods.advantages import group_advantages, zero_variance_groups
+from pods.advantages import downsample, zero_variance_groups
 from pods.checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -40,7 +40,6 @@ from pods.models import Policy, load_policy, load_reference
 from pods.progress import TrainingProgress
 from pods.rollout import HFGenerateEngine, Rollouts, SamplingParams
 from pods.scoring import RewardFunction, reward_name, score_completions
-from pods.selection import select
 
 ACCURACY_REWARDS = {
     "gsm8k": "accuracy",
@@ -224,20 +223,23 @@ class PODSTrainer:
                 with timer("score"):  # 2. one scalar reward per completion: [P, n]
                     rewards, per_function = self._score(batch, rollouts)
                 with timer("select"):  # 3. m of n per group, and 4. advantages over the kept
-                    kept = select(
-                        rewards, m, cfg.selection_rule, generator=self._selection_generator(state.step)
+                    chosen = downsample(
+                        rewards,
+                        m,
+                        cfg.selection_rule,
+                        scale=cfg.scale_rewards,
+                        eps=cfg.advantage_eps,
+                        generator=self._selection_generator(state.step),
+                        gather=self._gather,
                     )
-                    kept_rewards = rewards.gather(1, kept)
-                    advantages = group_advantages(kept_rewards, cfg.scale_rewards, cfg.advantage_eps)
-                    rows = (kept + n * torch.arange(len(batch)).unsqueeze(1)).flatten()
-                    kept_rollouts = rollouts.select(rows)
+                    kept_rollouts = rollouts.select(chosen.rows)
                 with timer("update"):  # 5. the GRPO update on the kept rows only
-                    update = self._update(kept_rollouts, advantages.flatten())
+                    update = self._update(kept_rollouts, chosen.advantages.flatten())
 
                 state.step += 1
                 state.train_seconds += self._synced(timer.total)
                 metrics = self._step_metrics(
-                    state, timer, rollouts, rewards, kept_rewards, per_function, update
+                    state, timer, rollouts, rewards, chosen.rewards, per_function, update
                 )
                 self.metrics_log.append(metrics)
                 if cfg.report_to:
@@ -403,6 +405,12 @@ class PODSTrainer:
         metrics["tokens_per_second"] = round(lengths.sum().item() / max(step_seconds, 1e-9), 1)
         metrics["peak_memory_mb"] = round(_peak_memory_mb(), 1)
         return metrics
+
+    def _gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Every process's ``values`` (equal shapes), concatenated along the first dimension."""
+        if self.accelerator.num_processes == 1:
+            return values
+        return self.accelerator.gather(values.to(self.accelerator.device)).to(values.device)
 
     def _synced(self, seconds: float) -> float:
         """The slowest process's value, so every process takes the same clock-based decisions."""

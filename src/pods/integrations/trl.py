@@ -30,8 +30,8 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("pods.integrations.trl needs TRL; install it with: pip install 'pods[trl]'") from error
 
-from pods.advantages import group_advantages, zero_variance_groups
-from pods.selection import available_rules, select
+from pods.advantages import downsample, zero_variance_groups
+from pods.selection import available_rules
 
 __all__ = [
     "TESTED_TRL_VERSION",
@@ -39,7 +39,6 @@ __all__ = [
     "PODSTrainer",
     "advantage_scale",
     "check_batch_arithmetic",
-    "kept_row_indices",
     "selection_metrics",
     "summed_rewards",
     "take_rows",
@@ -116,13 +115,6 @@ def summed_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> tor
             "a number: return 0.0 (or a penalty) from a reward function instead of None."
         )
     return (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-
-
-def kept_row_indices(kept: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """Flat row indices ``[G * m]`` of the kept completions, from per-group positions ``kept[G, m]``
-    (group g occupies rows g*n .. g*n + n - 1, as TRL lays them out)."""
-    offsets = torch.arange(kept.shape[0], device=kept.device).unsqueeze(1) * num_generations
-    return (offsets + kept).reshape(-1)
 
 
 def take_rows(batch: dict[str, Any], rows: torch.Tensor, num_rows: int) -> dict[str, Any]:
@@ -288,13 +280,18 @@ class PODSTrainer(GRPOTrainer):
             )
         rewards = summed.view(-1, n)  # [all groups, n]
 
-        kept = select(rewards, m, self.args.selection_rule, generator=self._pods_generator)  # [all groups, m]
-        kept_rewards = rewards.gather(1, kept)
-        advantages = group_advantages(kept_rewards, scale=advantage_scale(self.scale_rewards))
+        chosen = downsample(
+            rewards,
+            m,
+            self.args.selection_rule,
+            scale=advantage_scale(self.scale_rewards),
+            generator=self._pods_generator,
+        )  # over every process's groups: [all groups, m]
+        kept, kept_rewards, advantages = chosen.kept, chosen.rewards, chosen.advantages
 
         mine = slice(self.accelerator.process_index * groups, (self.accelerator.process_index + 1) * groups)
         trl_advantages = batch["advantages"]
-        batch = take_rows(batch, kept_row_indices(kept[mine], n), local_rows)
+        batch = take_rows(batch, chosen.rows.view(-1, m)[mine].reshape(-1) - mine.start * n, local_rows)
         if m < n:
             batch["advantages"] = advantages[mine].reshape(-1).to(trl_advantages)
             # The completions table (log_completions) lists all n: show the advantage trained on, NaN if dropped.
