@@ -173,7 +173,7 @@ def test_every_preset_resolves_and_runs_a_step_on_a_tiny_model(
     trainer = PODSTrainer(type(config).from_dict(values))
     assert trainer.train().steps == 1
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
-    assert row["step"] == 1 and row["reward_mean_all"] is not None
+    assert row["step"] == 1 and row["reward"] is not None
 
 
 def test_presets_are_the_papers_settings() -> None:

@@ -11,7 +11,7 @@ import torch
 
 from pods.selection import Rule, select
 
-__all__ = ["SCALES", "Downsampled", "downsample", "group_advantages", "zero_variance_groups"]
+__all__ = ["SCALES", "Downsampled", "downsample", "group_advantages", "nanstd", "zero_variance_groups"]
 
 SCALES = ("group", "batch", "none")
 
@@ -42,17 +42,17 @@ def group_advantages(
     values = rewards.to(torch.float64)
     centred = values - values.nanmean(dim=1, keepdim=True)
     if scale == "group":
-        advantages = centred / (_nanstd(values, dim=1) + eps)
+        advantages = centred / (nanstd(values, dim=1) + eps)
     elif scale == "batch":
         everything = values if batch_rewards is None else batch_rewards.to(values)
-        advantages = centred / (_nanstd(everything.reshape(1, -1), dim=1) + eps)
+        advantages = centred / (nanstd(everything.reshape(1, -1), dim=1) + eps)
     else:
         advantages = centred
     advantages = advantages.masked_fill(zero_variance_groups(values).unsqueeze(1), 0.0)
     return torch.nan_to_num(advantages, nan=0.0).to(dtype)
 
 
-def _nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
+def nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
     """Unbiased std over the non-NaN entries along ``dim`` (kept as a size-1 dim); 0 with fewer than two."""
     count = (~values.isnan()).sum(dim=dim, keepdim=True)
     squares = (values - values.nanmean(dim=dim, keepdim=True)).pow(2).nansum(dim=dim, keepdim=True)

@@ -209,6 +209,10 @@ class LossOutput:
     loss: Tensor  # scalar, differentiable
     kl: Tensor  # mean k3 KL to the reference over masked tokens (0 without a reference)
     clip_fraction: Tensor  # fraction of masked tokens where the clip bound is active (zero gradient)
+    clip_low_fraction: Tensor  # ... where it is the lower bound (ratio < 1 - epsilon, negative advantage)
+    clip_high_fraction: (
+        Tensor  # ... where it is the upper bound (ratio > 1 + epsilon_high, positive advantage)
+    )
     ratio_mean: Tensor  # mean importance ratio over masked tokens
     num_tokens: Tensor  # masked tokens in this micro-batch (weights for averaging the statistics above)
 
@@ -308,11 +312,14 @@ def policy_loss(
         num_tokens = mask.sum()
         denom = num_tokens.clamp_min(1)
         clip_active = (clipped_term < unclipped_term) & mask  # min picked the clipped value: no gradient
+        clip_low = clip_active & (ratio < 1.0 - epsilon)
         kl = (k3 * mask).sum() / denom if ref_logprobs is not None else logprobs.new_zeros(())
         return LossOutput(
             loss=loss,
             kl=kl.detach(),
             clip_fraction=clip_active.sum() / denom,
+            clip_low_fraction=clip_low.sum() / denom,
+            clip_high_fraction=(clip_active & ~clip_low).sum() / denom,
             ratio_mean=(ratio * mask).sum() / denom,
             num_tokens=num_tokens,
         )

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pods.advantages import downsample, zero_variance_groups
+from pods.advantages import downsample, nanstd
 from pods.checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -35,7 +35,7 @@ from pods.checkpoint import (
 from pods.config import ConfigError, TrainConfig
 from pods.evaluation import EvalResult, evaluate
 from pods.loss import completion_logprobs, policy_loss
-from pods.metrics import JsonlLog, read_jsonl
+from pods.metrics import JsonlLog, read_jsonl, reward_metrics
 from pods.models import Policy, load_policy, load_reference
 from pods.progress import TrainingProgress
 from pods.rollout import HFGenerateEngine, Rollouts, SamplingParams
@@ -315,7 +315,13 @@ class PODSTrainer:
                 ref_logprobs = torch.cat([logprobs_of(reference, part) for part in parts])
 
         model.train()
-        totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+        statistics = {
+            "kl": "kl",
+            "clip_ratio/low_mean": "clip_low_fraction",
+            "clip_ratio/high_mean": "clip_high_fraction",
+            "clip_ratio/region_mean": "clip_fraction",
+        }
+        totals = {"loss": 0.0, **dict.fromkeys(statistics, 0.0)}
         grad_norms = []
         for _ in range(cfg.num_iterations):
             for part in parts:
@@ -346,8 +352,8 @@ class PODSTrainer:
                     self.optimizer.zero_grad(set_to_none=True)
                 weight = 1 / (len(parts) * cfg.num_iterations)
                 totals["loss"] += out.loss.item() / cfg.num_iterations
-                totals["kl"] += out.kl.item() * weight
-                totals["clip_fraction"] += out.clip_fraction.item() * weight
+                for name, attribute in statistics.items():
+                    totals[name] += getattr(out, attribute).item() * weight
         return {**totals, "grad_norm": sum(grad_norms) / len(grad_norms)}
 
     @contextlib.contextmanager
@@ -381,19 +387,22 @@ class PODSTrainer:
             "step": state.step,
             "epoch": round(self.prompts.epoch(state.step), 4),
             "train_seconds": round(state.train_seconds, 3),
-            "reward_mean_all": all_rewards.mean().item(),
-            "reward_std_all": all_rewards.std(dim=1).mean().item() if all_rewards.shape[1] > 1 else 0.0,
-            "reward_mean_kept": kept.mean().item(),
-            "reward_std_kept": kept.std(dim=1).mean().item(),
-            "zero_variance_fraction_all": zero_variance_groups(all_rewards).double().mean().item(),
-            "zero_variance_fraction_kept": zero_variance_groups(kept).double().mean().item(),
-            "completion_length_mean": lengths.mean().item(),
-            "truncation_rate": truncated.mean().item(),
-            "learning_rate": self.scheduler.get_last_lr()[0],
-            **{key: self._synced_mean(value) for key, value in update.items()},
+            **reward_metrics(all_rewards, kept),
         }
         for name, values in per_function.items():
-            metrics[f"reward/{name}"] = gather(torch.nan_to_num(values)).mean().item()
+            values = gather(values)
+            metrics[f"rewards/{name}/mean"] = values.nanmean().item()
+            metrics[f"rewards/{name}/std"] = nanstd(values.reshape(1, -1), dim=1).item()
+        metrics.update(
+            {
+                "completions/mean_length": lengths.mean().item(),
+                "completions/min_length": lengths.min().item(),
+                "completions/max_length": lengths.max().item(),
+                "completions/clipped_ratio": truncated.mean().item(),
+                "learning_rate": self.scheduler.get_last_lr()[0],
+                **{key: self._synced_mean(value) for key, value in update.items()},
+            }
+        )
         accuracy_name = reward_name(self.accuracy_fn)
         if accuracy_name in per_function:
             metrics["accuracy"] = (

@@ -30,7 +30,8 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("pods.integrations.trl needs TRL; install it with: pip install 'pods[trl]'") from error
 
-from pods.advantages import downsample, zero_variance_groups
+from pods.advantages import downsample
+from pods.metrics import reward_metrics
 from pods.selection import available_rules
 
 __all__ = [
@@ -39,7 +40,6 @@ __all__ = [
     "PODSTrainer",
     "advantage_scale",
     "check_batch_arithmetic",
-    "selection_metrics",
     "summed_rewards",
     "take_rows",
 ]
@@ -140,17 +140,6 @@ def take_rows(batch: dict[str, Any], rows: torch.Tensor, num_rows: int) -> dict[
     return unsplit_pixel_values_by_grid(kept)
 
 
-def selection_metrics(rewards: torch.Tensor, kept_rewards: torch.Tensor) -> dict[str, float]:
-    """Reward mean/std and the fraction of zero-variance groups, over all n and over the kept m."""
-    metrics = {}
-    for name, values in (("all", rewards), ("kept", kept_rewards)):
-        values = values.to(torch.float64)
-        metrics[f"pods/reward_mean_{name}"] = values.mean().item()
-        metrics[f"pods/reward_std_{name}"] = values.std().item() if values.numel() > 1 else 0.0
-        metrics[f"pods/frac_zero_std_{name}"] = zero_variance_groups(values).double().mean().item()
-    return metrics
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Config and trainer
 # ---------------------------------------------------------------------------------------------------------
@@ -223,7 +212,7 @@ class PODSTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` that trains on m of every n completions per prompt (PODS down-sampling).
 
     Same constructor as ``GRPOTrainer``; ``args`` must be a :class:`PODSConfig`. Logs ``pods/*`` metrics
-    beside TRL's own. Evaluation is TRL's, unchanged.
+    beside TRL's own (docs/metrics.md). Evaluation is TRL's, unchanged.
     """
 
     def __init__(
@@ -305,6 +294,9 @@ class PODSTrainer(GRPOTrainer):
             loss_mask = loss_mask * batch["tool_mask"]
         batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
 
-        for name, value in selection_metrics(rewards, kept_rewards).items():
-            self._metrics["train"][name].append(value)
+        for name, value in reward_metrics(rewards, kept_rewards).items():
+            if name.startswith(
+                "pods/"
+            ):  # TRL logs reward, reward_std and frac_reward_zero_std (over all n) itself
+                self._metrics["train"][name].append(value)
         return batch
