@@ -70,11 +70,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------------------- eval
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    from pods.data import load_task
+    from pods.data import get_task
     from pods.evaluation import evaluate
     from pods.models import load_tokenizer
-    from pods.rewards import REWARD_FUNCTIONS
-    from pods.trainer import ACCURACY_REWARDS
 
     if overrides:
         raise SystemExit(f"pods eval: error: unrecognized arguments: {' '.join(overrides)}")
@@ -82,16 +80,17 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     model_dir = find_model_folder(args.model)
     model = load_model_for_eval(model_dir)
     tokenizer = load_tokenizer(model_dir)
+    task = get_task(args.dataset)
     style = args.prompt_style or (
-        "plain" if args.dataset == "arith" or not tokenizer.chat_template else "chat"
+        "plain" if task.prompt_style == "chat" and not tokenizer.chat_template else task.prompt_style
     )
-    max_new_tokens = args.max_new_tokens or (32 if args.dataset == "arith" else 512)
-    dataset = load_task(args.dataset, args.split, source=args.source, prompt_style=style, limit=args.limit)
+    max_new_tokens = args.max_new_tokens or task.max_new_tokens
+    dataset = task.load(args.split, source=args.source, prompt_style=style, limit=args.limit)
     result = evaluate(
         model,
         tokenizer,
         dataset,
-        REWARD_FUNCTIONS[ACCURACY_REWARDS.get(args.dataset, "accuracy")],
+        task.accuracy_function(),
         protocol=args.protocol,
         samples=args.samples,
         temperature=args.temperature,
@@ -281,12 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--temperature", type=float, default=0.9, help="for --protocol sampled (default: 0.9)"
     )
     evaluate.add_argument("--limit", type=int, help="evaluate on the first N problems only")
-    evaluate.add_argument("--max-new-tokens", type=int, help="default: 32 for arith, 512 otherwise")
+    evaluate.add_argument(
+        "--max-new-tokens", type=int, help="default: the task's (32 for arith, 512 otherwise)"
+    )
     evaluate.add_argument("--batch-size", type=int, default=64, help="completions generated at once")
     evaluate.add_argument(
         "--prompt-style",
         choices=("chat", "plain"),
-        help="default: chat when the tokenizer has a chat template",
+        help="default: the task's (plain for arith; chat when the tokenizer has a chat template)",
     )
     evaluate.add_argument("--output", help="JSON report path (default: eval-DATASET-PROTOCOL.json)")
     evaluate.set_defaults(handler=_eval)

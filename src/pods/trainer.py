@@ -41,13 +41,6 @@ from pods.progress import TrainingProgress
 from pods.rollout import HFGenerateEngine, Rollouts, SamplingParams
 from pods.scoring import RewardFunction, reward_name, score_completions
 
-ACCURACY_REWARDS = {
-    "gsm8k": "accuracy",
-    "arith": "accuracy",
-    "math500": "math_accuracy",
-    "math": "math_accuracy",
-}
-
 
 @dataclass
 class TrainResult:
@@ -127,17 +120,22 @@ class PODSTrainer:
         from accelerate import Accelerator, PartialState
         from accelerate.utils import broadcast_object_list, parse_flag_from_env
 
+        from pods.data import get_task
+
         self.config = cfg = config
         if reward_funcs is None:
             cfg.check_names()
             from pods.rewards import get_reward_functions
 
-            reward_funcs = get_reward_functions(cfg.reward_funcs)
+            self.task = get_task(cfg.task)
+            reward_funcs = get_reward_functions(cfg.reward_funcs or list(self.task.reward_funcs))
         else:
             from pods.selection import get_rule
 
             get_rule(cfg.selection_rule)
+            self.task = get_task(cfg.task)
         self.reward_funcs = reward_funcs
+        self.prompt_style = cfg.prompt_style or self.task.prompt_style
         if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_funcs):
             raise ConfigError(
                 f"reward_weights: {len(cfg.reward_weights)} weights for {len(reward_funcs)} functions"
@@ -175,7 +173,7 @@ class PODSTrainer:
             train_dataset, cfg.task, cfg.task_source, cfg.train_split, cfg.train_limit
         )
         self.eval_dataset = eval_dataset if eval_dataset is not None else self._load_eval_dataset()
-        self.accuracy_fn = self._accuracy_function()
+        self.accuracy_fn = get_task(cfg.eval_task or cfg.task).accuracy_function()
 
         trainable = [p for p in self.policy.model.parameters() if p.requires_grad]
         optimizer = self._make_optimizer(trainable)
@@ -452,7 +450,7 @@ class PODSTrainer:
             temperature=cfg.eval_temperature,
             max_new_tokens=cfg.max_completion_length,
             batch_size=cfg.eval_batch_size,
-            prompt_style=cfg.prompt_style,
+            prompt_style=self.prompt_style,
             stop_strings=tuple(cfg.stop_strings),
             accelerator=self.accelerator,
         )
@@ -570,7 +568,7 @@ class PODSTrainer:
                 task,
                 split,
                 source=source,
-                prompt_style=self.config.prompt_style,
+                prompt_style=self.prompt_style,
                 tokenizer=self.tokenizer,
                 max_prompt_tokens=self.config.max_prompt_length,
                 limit=limit,
@@ -588,18 +586,12 @@ class PODSTrainer:
             cfg.eval_task or cfg.task,
             cfg.eval_split,
             source=cfg.eval_source if cfg.eval_task else (cfg.eval_source or cfg.task_source),
-            prompt_style=cfg.prompt_style,
+            prompt_style=self.prompt_style,
             tokenizer=self.tokenizer,
             max_prompt_tokens=cfg.max_prompt_length,
             limit=cfg.eval_limit,
             seed=cfg.seed,
         )
-
-    def _accuracy_function(self) -> RewardFunction:
-        from pods.rewards import REWARD_FUNCTIONS
-
-        task = self.config.eval_task or self.config.task
-        return REWARD_FUNCTIONS[ACCURACY_REWARDS.get(task, "accuracy")]
 
     def _make_optimizer(self, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         cfg = self.config
