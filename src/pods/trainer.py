@@ -290,7 +290,7 @@ class PODSTrainer:
         advantages = advantages.to(device=device, dtype=torch.float32)
         rows, micro = completion_ids.shape[0], cfg.micro_batch_size
         temperature = cfg.temperature if cfg.temperature > 0 else 1.0
-        # dapo/bnpo divide by the tokens of the whole batch across processes; DDP averages gradients.
+        # dapo divides by the tokens of the whole batch across processes; DDP averages gradients.
         total_tokens = self._synced_sum(mask.sum().double()) / acc.num_processes
 
         def logprobs_of(net: torch.nn.Module, part: slice) -> torch.Tensor:
