@@ -42,11 +42,21 @@ def load_train_config(config: str | None, overrides: list[str]):
 # ---------------------------------------------------------------------------------------------- train
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from pods.plotting import plot_runs
-    from pods.trainer import train
+    from pods.trainer import TrainingStopped, train
 
     config = load_train_config(args.config, overrides)
     _quiet_libraries()
-    result = train(config)
+    try:
+        result = train(config)
+    except TrainingStopped as stopped:
+        if _is_main_process():
+            print(
+                f"\npods train: stopped by {stopped.signal_name} after step {stopped.step}; "
+                f"checkpoint: {stopped.checkpoint}\nContinue this run with:\n  "
+                f"{resume_command(args.config, overrides, stopped.output_dir)}",
+                file=sys.stderr,
+            )
+        return stopped.exit_code
     if not _is_main_process():
         return 0
     plot = plot_runs([result.output_dir], result.output_dir / "training.png")
@@ -66,6 +76,23 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"Checkpoint:  {result.checkpoint} (model for `pods eval`: {result.checkpoint / 'model'})")
     print(f"Plot:        {plot}")
     return 0
+
+
+def resume_command(config: str | None, overrides: list[str], output_dir: Path) -> str:
+    """The ``pods train`` command that continues a run: the same options, its run folder, ``--resume_from auto``."""
+    import shlex
+
+    kept, index = [], 0
+    while index < len(overrides):
+        item = overrides[index]
+        key, sep, _ = item.lstrip("-").partition("=")
+        takes_value = item.startswith("--") and not sep and index + 1 < len(overrides)
+        width = 2 if takes_value and not overrides[index + 1].startswith("--") else 1
+        if key.replace("-", "_") not in ("output_dir", "resume_from"):
+            kept += overrides[index : index + width]
+        index += width
+    head = ["pods", "train"] + (["--config", config] if config else [])
+    return shlex.join(head + kept + ["--output_dir", str(output_dir), "--resume_from", "auto"])
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -337,7 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pods {args.command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"\npods {args.command}: interrupted", file=sys.stderr)
+        resume = (
+            " (pods train: the step in flight is lost; --resume_from auto continues from the last checkpoint)"
+        )
+        print(f"\npods {args.command}: aborted{resume if args.command == 'train' else ''}", file=sys.stderr)
         return 130
 
 

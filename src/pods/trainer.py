@@ -34,6 +34,7 @@ from pods.checkpoint import (
 )
 from pods.config import ConfigError, TrainConfig
 from pods.evaluation import EvalResult, evaluate
+from pods.interrupts import StopRequests, TrainingStopped
 from pods.loss import completion_logprobs, policy_loss
 from pods.metrics import JsonlLog, read_jsonl
 from pods.models import Policy, load_policy, load_reference
@@ -164,6 +165,7 @@ class PODSTrainer:
             cfg.save(self.output_dir / "config.yaml")
         acc.wait_for_everyone()
         self.checkpoint_root = self.output_dir / "checkpoints"
+        self._saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint written or loaded
         self.metrics_log = JsonlLog(self.output_dir / "metrics.jsonl", enabled=acc.is_main_process)
         self.eval_log = JsonlLog(self.output_dir / "eval.jsonl", enabled=acc.is_main_process)
 
@@ -211,10 +213,12 @@ class PODSTrainer:
         cfg, acc = self.config, self.accelerator
         n, m = cfg.num_generations, cfg.num_generations_kept
         state = self._resume_or_start()
-        with TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time) as progress:
+        stop = StopRequests(reduce_max=self._synced_max if acc.num_processes > 1 else None)
+        progress = TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time)
+        with stop, progress:
             if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
                 self._evaluate(state, progress)
-            while not self._finished(state):
+            while not self._finished(state) and not stop.agreed():
                 timer = StepTimer()
                 self._seed_step(state.step)
                 batch = self.prompts.batch(state.step)
@@ -249,13 +253,18 @@ class PODSTrainer:
                 if self._save_due(state):
                     self._save(state)
 
-            if state.last_eval_seconds != state.train_seconds and (
-                cfg.eval_at_start or cfg.eval_every_seconds
+            stopped = stop.agreed()  # once more on every process: a signal during the last step counts
+            if (
+                not stopped
+                and state.last_eval_seconds != state.train_seconds
+                and (cfg.eval_at_start or cfg.eval_every_seconds)
             ):
                 self._evaluate(state, progress)
-            checkpoint = self._save(state) if cfg.save_final else None
+            checkpoint = self._save(state) if cfg.save_final or stopped else None
         if cfg.report_to:
             acc.end_training()
+        if stopped:
+            raise TrainingStopped(stop.agreed_signal, state.step, checkpoint, self.output_dir)
         evals = read_jsonl(self.eval_log.path) if self.eval_log.path.is_file() else []
         return TrainResult(self.output_dir, state.step, state.train_seconds, evals, checkpoint)
 
@@ -411,6 +420,9 @@ class PODSTrainer:
         value = torch.tensor(seconds, dtype=torch.float64, device=self.accelerator.device)
         return float(self.accelerator.reduce(value, "max"))
 
+    def _synced_max(self, value: int) -> int:
+        return int(self.accelerator.reduce(torch.tensor(value, device=self.accelerator.device), "max"))
+
     def _synced_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.accelerator.num_processes == 1:
             return value
@@ -462,10 +474,14 @@ class PODSTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, state: TrainerState) -> Path:
+        if self._saved is not None and self._saved[0] == state.step:
+            return self._saved[1]  # already saved (or resumed from) at this step
         state.last_save_seconds = state.train_seconds
-        return save_checkpoint(
+        folder = save_checkpoint(
             self.accelerator, self.checkpoint_root, state, self.config.save_total_limit, export=self._export
         )
+        self._saved = (state.step, folder)
+        return folder
 
     def _export(self, folder: Path) -> None:
         """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``."""
@@ -500,6 +516,7 @@ class PODSTrainer:
         if folder is None:
             return TrainerState()
         state = load_checkpoint(self.accelerator, folder)
+        self._saved = (state.step, folder)
         self.metrics_log.truncate_after(state.step)
         if state.last_eval_seconds is not None:
             self.eval_log.truncate_after(state.step)
@@ -621,5 +638,5 @@ def _peak_memory_mb() -> float:
 
 
 def train(config: TrainConfig, **kwargs: Any) -> TrainResult:
-    """Build a :class:`PODSTrainer` from ``config`` and run it."""
+    """Build a :class:`PODSTrainer` from ``config`` and run it (raises :class:`TrainingStopped` on SIGTERM/SIGINT)."""
     return PODSTrainer(config, **kwargs).train()

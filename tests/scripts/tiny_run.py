@@ -3,7 +3,8 @@
     python tests/scripts/tiny_run.py MODEL_DIR OUTPUT_DIR '{"max_steps": 4, ...}'
     accelerate launch --cpu --num_processes 2 tests/scripts/tiny_run.py MODEL_DIR OUTPUT_DIR '{...}'
 
-Prints one line per process: ``RESULT <rank> <steps> <parameter checksum> <first prompt of step 0>``.
+Prints one line per process: ``RESULT <rank> <steps> <parameter checksum> <first prompt of step 0>``, or
+``STOPPED <rank> <signal> <step> <checkpoint>`` after a graceful stop (exit status 128 + the signal's number).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from datasets import Dataset
 
 from pods.config import TrainConfig
-from pods.trainer import PODSTrainer
+from pods.trainer import PODSTrainer, TrainingStopped
 
 # A few-second run of the tiny test model: 2 prompts x n=4, m=2 kept, 8 new tokens, 2 steps, no eval.
 TINY_SETTINGS = {
@@ -59,13 +60,24 @@ def main() -> None:
     )
     first_prompt = trainer.prompts.batch(0)[0]["question"]
     print(f"distributed: {trainer.accelerator.distributed_type.value}", flush=True)
-    result = trainer.train()
+    try:
+        result = trainer.train()
+    except TrainingStopped as stopped:
+        rank = trainer.accelerator.process_index
+        print(f"STOPPED {rank} {stopped.signal_name} {stopped.step} {stopped.checkpoint}", flush=True)
+        save_weights(trainer, output_dir)
+        sys.exit(stopped.exit_code)
     model = trainer.accelerator.unwrap_model(trainer.model)
     checksum = sum(float(p.double().sum()) * (i + 1) for i, p in enumerate(model.parameters()))
     print(
         f"RESULT {trainer.accelerator.process_index} {result.steps} {checksum:.12e} {first_prompt!r}",
         flush=True,
     )
+    save_weights(trainer, output_dir)
+
+
+def save_weights(trainer: PODSTrainer, output_dir: str) -> None:
+    model = trainer.accelerator.unwrap_model(trainer.model)
     torch.save(
         {k: v.detach().clone() for k, v in model.state_dict().items()},
         f"{output_dir}/weights-rank{trainer.accelerator.process_index}.pt",
