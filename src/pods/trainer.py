@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -26,9 +27,13 @@ import torch
 
 from pods.advantages import group_advantages, zero_variance_groups
 from pods.checkpoint import (
+    STATE_FILE,
     TrainerState,
+    checkpoint_problem,
     latest_checkpoint,
+    list_checkpoint_folders,
     load_checkpoint,
+    newest_intact_checkpoint,
     remove_partial_checkpoints,
     save_checkpoint,
 )
@@ -49,6 +54,10 @@ ACCURACY_REWARDS = {
     "math500": "math_accuracy",
     "math": "math_accuracy",
 }
+
+
+class NonFiniteError(RuntimeError):
+    """``max_consecutive_skips`` optimizer steps in a row had a non-finite loss or gradient norm."""
 
 
 @dataclass
@@ -184,7 +193,6 @@ class PODSTrainer:
         optimizer = self._make_optimizer(trainable)
         self.scheduler = self._make_scheduler(optimizer)
         self.model, self.optimizer = acc.prepare(self.policy.model, optimizer)
-        acc.register_for_checkpointing(self.scheduler)  # stepped by us, once per optimizer step
         self.reference = None
         if cfg.beta > 0 and not self.policy.is_lora:
             self.reference = load_reference(cfg).to(acc.device)
@@ -236,7 +244,7 @@ class PODSTrainer:
                     rows = (kept + n * torch.arange(len(batch)).unsqueeze(1)).flatten()
                     kept_rollouts = rollouts.select(rows)
                 with timer("update"):  # 5. the GRPO update on the kept rows only
-                    update = self._update(kept_rollouts, advantages.flatten())
+                    update = self._update(state, kept_rollouts, advantages.flatten())
 
                 state.step += 1
                 state.train_seconds += self._synced(timer.total)
@@ -285,12 +293,18 @@ class PODSTrainer:
             for ids, mask in zip(rollouts.completion_ids, rollouts.completion_mask, strict=True)
         ]
         total, per_function = score_completions(
-            self.reward_funcs, self.config.reward_weights, prompts, rollouts.texts, completion_ids, columns
+            self.reward_funcs,
+            self.config.reward_weights,
+            prompts,
+            rollouts.texts,
+            completion_ids,
+            columns,
+            timeout=self.config.reward_timeout,
         )
         shape = (len(batch), n)
         return total.view(shape), {name: values.view(shape) for name, values in per_function.items()}
 
-    def _update(self, batch: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
+    def _update(self, state: TrainerState, batch: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
         """Gradient steps on the kept rows: micro-batches accumulated, ``num_iterations`` passes."""
         cfg, acc, model = self.config, self.accelerator, self.model
         device = acc.device
@@ -323,7 +337,7 @@ class PODSTrainer:
 
         model.train()
         totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
-        grad_norms = []
+        grad_norms, finite = [], True
         for _ in range(cfg.num_iterations):
             for part in parts:
                 # accelerate syncs gradients (DDP / DeepSpeed / FSDP) and lets the optimizer step only on
@@ -345,17 +359,40 @@ class PODSTrainer:
                         max_completion_length=cfg.max_completion_length,
                     )
                     acc.backward(out.loss * acc.gradient_accumulation_steps)
+                    finite = finite and math.isfinite(out.loss.item())
                     if acc.sync_gradients:
-                        grad_norms.append(float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
-                    self.optimizer.step()
-                    if acc.sync_gradients:
-                        self.scheduler.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                        grad_norm = float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                        grad_norms.append(grad_norm)
+                        if self._step_is_finite(state, finite and math.isfinite(grad_norm)):
+                            self.optimizer.step()
+                            self.scheduler.step()
+                        finite = True
+                    self.optimizer.zero_grad(set_to_none=True)  # accelerate clears only after a sync
                 weight = 1 / (len(parts) * cfg.num_iterations)
                 totals["loss"] += out.loss.item() / cfg.num_iterations
                 totals["kl"] += out.kl.item() * weight
                 totals["clip_fraction"] += out.clip_fraction.item() * weight
         return {**totals, "grad_norm": sum(grad_norms) / len(grad_norms)}
+
+    def _step_is_finite(self, state: TrainerState, finite: bool) -> bool:
+        """The non-finite guard: a NaN/inf loss or gradient norm on any process skips the optimizer step
+        (weights, optimizer and scheduler unchanged); ``max_consecutive_skips`` in a row end the run."""
+        if self.accelerator.num_processes > 1:
+            finite = not self._synced_max(int(not finite))
+        if finite:
+            state.consecutive_skips = 0
+            return True
+        state.skipped_steps += 1
+        state.consecutive_skips += 1
+        limit = self.config.max_consecutive_skips
+        if state.consecutive_skips >= limit:
+            raise NonFiniteError(
+                f"{limit} optimizer steps in a row had a non-finite (NaN or infinite) loss or gradient norm, "
+                f"at training step {state.step + 1}; they were skipped, so the weights are those of the last "
+                f"good step and the checkpoints in {self.checkpoint_root} are intact. Lower learning_rate or "
+                "max_grad_norm, or train in float32 (mixed_precision: no); max_consecutive_skips sets this limit"
+            )
+        return False
 
     @contextlib.contextmanager
     def _reference(self):
@@ -397,6 +434,7 @@ class PODSTrainer:
             "completion_length_mean": lengths.mean().item(),
             "truncation_rate": truncated.mean().item(),
             "learning_rate": self.scheduler.get_last_lr()[0],
+            "skipped_steps": state.skipped_steps,
             **{key: self._synced_mean(value) for key, value in update.items()},
         }
         for name, values in per_function.items():
@@ -478,7 +516,12 @@ class PODSTrainer:
             return self._saved[1]  # already saved (or resumed from) at this step
         state.last_save_seconds = state.train_seconds
         folder = save_checkpoint(
-            self.accelerator, self.checkpoint_root, state, self.config.save_total_limit, export=self._export
+            self.accelerator,
+            self.checkpoint_root,
+            state,
+            self.config.save_total_limit,
+            export=self._export,
+            scheduler=self.scheduler,
         )
         self._saved = (state.step, folder)
         return folder
@@ -513,25 +556,52 @@ class PODSTrainer:
             self.eval_log.reset()
             return TrainerState()
         folder = self._checkpoint_to_resume(source)
-        if folder is None:
+        if folder is None:  # resume_from: auto in a folder without checkpoints: a fresh start
+            self.metrics_log.reset()
+            self.eval_log.reset()
             return TrainerState()
-        state = load_checkpoint(self.accelerator, folder)
+        state = load_checkpoint(self.accelerator, folder, self.scheduler)
         self._saved = (state.step, folder)
         self.metrics_log.truncate_after(state.step)
-        if state.last_eval_seconds is not None:
-            self.eval_log.truncate_after(state.step)
+        self.eval_log.truncate_after(state.step)
         return state
 
     def _checkpoint_to_resume(self, source: str) -> Path | None:
-        if source == "auto":
-            return latest_checkpoint(self.checkpoint_root)
+        """The verified checkpoint to resume from, chosen on the main process and shared with the others."""
+        acc = self.accelerator
+        choice: tuple[str | None, str | None] = (None, None)  # (folder, error)
+        if acc.is_main_process:
+            try:
+                folder = self._find_checkpoint(source)
+                choice = (str(folder) if folder else None, None)
+            except ConfigError as error:
+                choice = (None, str(error))
+        if acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            choice = tuple(broadcast_object_list(list(choice)))
+        if choice[1] is not None:
+            raise ConfigError(choice[1])
+        return Path(choice[0]) if choice[0] else None
+
+    def _find_checkpoint(self, source: str) -> Path | None:
         path = Path(source)
-        if (path / "trainer_state.json").is_file():
+        if source != "auto" and (path / STATE_FILE).is_file():
+            problem = checkpoint_problem(path)
+            if problem is not None:
+                raise ConfigError(
+                    f"resume_from: checkpoint {path} is damaged: {problem}; resume from another checkpoint "
+                    f"(resume_from: auto picks the newest intact one in {path.parent.parent})"
+                )
             return path
-        found = latest_checkpoint(path / "checkpoints")
-        if found is None:
+        root = self.checkpoint_root if source == "auto" else path / "checkpoints"
+        found = newest_intact_checkpoint(
+            root, warn=lambda text: print(f"pods: warning: {text}", file=sys.stderr)
+        )
+        if found is None and (source != "auto" or list_checkpoint_folders(root)):
             raise ConfigError(
-                f"resume_from: no complete checkpoint in {path} (expected {path}/checkpoints/step-N)"
+                f"resume_from: no intact checkpoint in {root} (expected {root}/step-N with its {STATE_FILE} "
+                "and manifest.json); choose another output_dir to start afresh"
             )
         return found
 
@@ -557,7 +627,7 @@ class PODSTrainer:
             return cfg.output_dir
         if cfg.resume_from and cfg.resume_from != "auto":
             path = Path(cfg.resume_from)
-            return str(path.parent.parent if (path / "trainer_state.json").is_file() else path)
+            return str(path.parent.parent if (path / STATE_FILE).is_file() else path)
         return str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
 
     def _load_rows(
