@@ -560,7 +560,14 @@ class PODSTrainer:
             self.metrics_log.reset()
             self.eval_log.reset()
             return TrainerState()
-        state = load_checkpoint(self.accelerator, folder, self.scheduler)
+        try:
+            state = load_checkpoint(self.accelerator, folder, self.scheduler)
+        except Exception as error:  # e.g. a pickle that weights_only=True refuses, a mismatched model
+            raise ConfigError(
+                f"resume_from: could not load checkpoint {folder} ({type(error).__name__}: "
+                f"{str(error).strip().splitlines()[0] if str(error).strip() else 'no details'}); "
+                "only resume checkpoints you trust, written by this run's model and settings"
+            ) from error
         self._saved = (state.step, folder)
         self.metrics_log.truncate_after(state.step)
         self.eval_log.truncate_after(state.step)

@@ -10,7 +10,9 @@ Prints one line per process: ``RESULT <rank> <steps> <parameter checksum> <first
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import torch
 from datasets import Dataset
@@ -45,6 +47,13 @@ def low_token_ids(prompts, completions, completion_ids=None, **columns) -> list[
     return [sum(token < 160 for token in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
+def slow_count_of_a(prompts, completions, completion_ids=None, **columns) -> list[float]:
+    """count_of_a after a pause of TINY_RUN_REWARD_SLEEP seconds: a step long enough to signal mid-step."""
+    print("REWARD CALL", flush=True)
+    time.sleep(float(os.environ["TINY_RUN_REWARD_SLEEP"]))
+    return count_of_a(prompts, completions)
+
+
 def tiny_dataset(size: int = 64) -> Dataset:
     questions = [f"Question {i}: say a{'b' * (i % 5)}" for i in range(size)]
     return Dataset.from_dict(
@@ -56,7 +65,9 @@ def main() -> None:
     model_dir, output_dir, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     settings = {"model": model_dir, "output_dir": output_dir, **TINY_SETTINGS, **overrides}
     trainer = PODSTrainer(
-        TrainConfig.from_dict(settings), reward_funcs=[count_of_a], train_dataset=tiny_dataset()
+        TrainConfig.from_dict(settings),
+        reward_funcs=[slow_count_of_a if "TINY_RUN_REWARD_SLEEP" in os.environ else count_of_a],
+        train_dataset=tiny_dataset(),
     )
     first_prompt = trainer.prompts.batch(0)[0]["question"]
     print(f"distributed: {trainer.accelerator.distributed_type.value}", flush=True)
