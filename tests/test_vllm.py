@@ -150,29 +150,6 @@ def test_truncation_matches_hf(embedded) -> None:
     assert ours.truncated.all() and ours.completion_mask.sum(dim=1).eq(3).all()
 
 
-def test_stop_strings_match_hf(tiny_vllm_model_dir: Path) -> None:
-    """On the tiny BPE model (HF's stop-string matcher cannot handle the embedded word-level tokenizer)."""
-    from transformers import AutoModelForCausalLM
-
-    from pods.models import load_tokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir, dtype=torch.float32)
-    tokenizer = load_tokenizer(str(tiny_vllm_model_dir))
-    engine = VLLMEngine(model, tokenizer, kv_cache_gb=SMALL_KV_CACHE_GB)
-    try:
-        plain = SamplingParams(max_new_tokens=16, temperature=0.0)
-        free = HFGenerateEngine(model, tokenizer).generate(PROMPTS, 1, plain)
-        assert_same_rollouts(engine.generate(PROMPTS, 1, plain), free)
-        stop_string = free.texts[0][4:6]  # two characters from the middle of the first completion
-        stop = SamplingParams(max_new_tokens=16, temperature=0.0, stop_strings=(stop_string,))
-        ours = engine.generate(PROMPTS, 1, stop)
-        assert_same_rollouts(ours, HFGenerateEngine(model, tokenizer).generate(PROMPTS, 1, stop))
-        assert ours.texts[0].endswith(stop_string) and len(ours.texts[0]) < len(free.texts[0])
-        assert not ours.truncated[0]
-    finally:
-        engine.close()
-
-
 def test_sampling_is_seeded_by_torch_and_reports_the_sampling_logprobs(embedded) -> None:
     model, _, engine = embedded
     sampling = SamplingParams(max_new_tokens=24, temperature=0.7)
@@ -198,13 +175,45 @@ def test_sampling_is_seeded_by_torch_and_reports_the_sampling_logprobs(embedded)
     )
 
 
-def test_engine_choice() -> None:
+def test_stop_strings_match_hf(tiny_vllm_model_dir: Path) -> None:
+    """Its own engine (which closes the module's: one per process), on the tiny BPE model (HF's stop-string matcher cannot handle the embedded word-level tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    from pods.models import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir, dtype=torch.float32)
+    tokenizer = load_tokenizer(str(tiny_vllm_model_dir))
+    engine = VLLMEngine(model, tokenizer, kv_cache_gb=SMALL_KV_CACHE_GB)
+    try:
+        plain = SamplingParams(max_new_tokens=16, temperature=0.0)
+        free = HFGenerateEngine(model, tokenizer).generate(PROMPTS, 1, plain)
+        assert_same_rollouts(engine.generate(PROMPTS, 1, plain), free)
+        stop_string = free.texts[0][4:6]  # two characters from the middle of the first completion
+        stop = SamplingParams(max_new_tokens=16, temperature=0.0, stop_strings=(stop_string,))
+        ours = engine.generate(PROMPTS, 1, stop)
+        assert_same_rollouts(ours, HFGenerateEngine(model, tokenizer).generate(PROMPTS, 1, stop))
+        assert ours.texts[0].endswith(stop_string) and len(ours.texts[0]) < len(free.texts[0])
+        assert not ours.truncated[0]
+    finally:
+        engine.close()
+
+
+def test_engine_choice(tiny_model_dir: Path, tiny_vllm_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
     assert choose_engine("hf") == ("hf", "requested")
     assert choose_engine("vllm") == ("vllm", "requested")
     assert choose_engine("auto")[0] == "vllm"
     assert choose_engine("auto", load_in_4bit=True)[0] == "hf"
     with pytest.raises(ValueError, match="4-bit"):
         choose_engine("vllm", load_in_4bit=True)
+    # vLLM's CPU attention has no kernel for head size 8 (the usual tiny test model): auto falls back
+    head_8 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine, reason = choose_engine("auto", model=head_8)
+    assert engine == "hf" and "head size 8" in reason
+    with pytest.raises(ValueError, match="head size 8"):
+        choose_engine("vllm", model=head_8)
+    assert choose_engine("auto", model=AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir))[0] == "vllm"
 
 
 def run_trainer(model_dir: Path, output_dir: Path, **overrides):
@@ -255,10 +264,10 @@ def test_trainer_with_vllm_resumes_exactly_and_records_the_engine(
     assert all(row["seconds_sync"] > 0 for row in metrics)
 
 
-def test_hf_engine_request_is_recorded(tiny_model_dir: Path, tmp_path: Path) -> None:
-    config = TrainConfig.from_dict(
-        {"model": str(tiny_model_dir), "output_dir": str(tmp_path), **TINY_SETTINGS}
-    )
+@pytest.mark.parametrize("requested", ["hf", "auto"])
+def test_hf_engine_is_recorded(tiny_model_dir: Path, tmp_path: Path, requested: str) -> None:
+    settings = {**TINY_SETTINGS, "rollout_engine": requested}  # auto: head size 8 has no vLLM CPU kernel
+    config = TrainConfig.from_dict({"model": str(tiny_model_dir), "output_dir": str(tmp_path), **settings})
     trainer = PODSTrainer(config, reward_funcs=[count_of_a], train_dataset=tiny_dataset())
     assert isinstance(trainer.engine, HFGenerateEngine)
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["rollout_engine"] == "hf"

@@ -382,9 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("chat", "plain", "raw"),
         help="default: the task's (plain for arith; chat when the tokenizer has a chat template)",
     )
-    evaluate.add_argument(
-        "--rollout-engine",
-        "--rollout_engine",
+    _option(
+        evaluate,
+        "rollout_engine",
         choices=("auto", "hf", "vllm"),
         default="auto",
         help="auto: vLLM where it is installed and can run, else Hugging Face generate (default: auto)",

