@@ -150,7 +150,7 @@ def eval_engine(requested: str, model, tokenizer, dataset, max_new_tokens: int, 
     from pods.rollout import build_engine, choose_engine
 
     try:
-        name, reason = choose_engine(requested)
+        name, reason = choose_engine(requested, model=model)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     print(f"rollout engine: {name} ({reason})")
