@@ -191,6 +191,7 @@ def run_config(model_dir: str, n: int, m: int, length: int, workdir: str) -> dic
         save_every_seconds=None,
         save_final=False,
         progress=False,
+        rollout_engine="hf",  # the update phase is measured; keep one engine for every setting
     )
     vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
     prompts = word_prompts(4, vocab_size=vocab)

@@ -106,6 +106,7 @@ def make_pods(model_dir: str, prompts: list[str], args, workdir: str):
         progress=False,
         seed=0,
         gradient_checkpointing=args.gradient_checkpointing,
+        rollout_engine="hf",  # both trainers generate with transformers (vLLM: benchmarks/rollout_engines.py)
     )
     trainer = PODSTrainer(
         config, reward_funcs=[low_id_share], train_dataset=Dataset.from_dict({"prompt": prompts})
