@@ -40,6 +40,8 @@ def choose_engine(
     reason = vllm_unavailable_reason(model)
     if reason is None and load_in_4bit:
         reason = "a 4-bit (QLoRA) base is not pushed into vLLM by pods yet"
+    if reason is None and requested == "auto" and _cpu_processes() > 1:
+        reason = "several CPU processes: one vLLM engine per process is untested on the CPU backend"
     if requested == "vllm":
         if reason is not None:
             raise ValueError(
@@ -70,3 +72,10 @@ def build_engine(
 
         return VLLMEngine(model, tokenizer, max_prompt_length=max_prompt_length, **(vllm_options or {}))
     raise ValueError(f"unknown rollout engine {name!r}; choose hf or vllm")
+
+
+def _cpu_processes() -> int:
+    """Processes of this launch when training on the CPU (0 with a GPU)."""
+    import os
+
+    return 0 if torch.cuda.is_available() else int(os.environ.get("WORLD_SIZE", "1"))
