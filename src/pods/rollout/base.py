@@ -153,26 +153,21 @@ def _group_layout(groups: torch.Tensor) -> tuple[int, int]:
     return rows, 1
 
 
-def check_generate_args(prompts: list[str], num_generations: int) -> None:
-    """The argument checks every engine's ``generate`` makes."""
+def tokenize_prompts(engine, prompts: list[str], num_generations: int) -> list[list[int]]:
+    """The arguments every engine's ``generate`` checks, then the token ids of each rendered prompt with the
+    engine's ``tokenizer``, ``add_special_tokens`` and ``max_prompt_length`` (none empty, none too long)."""
     if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError(
             "prompts must be a non-empty list of strings (already rendered with the chat template)."
         )
     if num_generations < 1:
         raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
-
-
-def tokenize_prompts(
-    tokenizer, prompts: list[str], *, add_special_tokens: bool, max_prompt_length: int | None
-) -> list[list[int]]:
-    """Token ids of each rendered prompt, checked: none empty, none longer than ``max_prompt_length``."""
-    encoded = tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"]
-    longest = max(len(ids) for ids in encoded)
-    if max_prompt_length is not None and longest > max_prompt_length:
+    encoded = engine.tokenizer(prompts, add_special_tokens=engine.add_special_tokens)["input_ids"]
+    longest, limit = max(len(ids) for ids in encoded), engine.max_prompt_length
+    if limit is not None and longest > limit:
         index = next(i for i, ids in enumerate(encoded) if len(ids) == longest)
         raise ValueError(
-            f"prompt {index} has {longest} tokens, more than max_prompt_length={max_prompt_length}; "
+            f"prompt {index} has {longest} tokens, more than max_prompt_length={limit}; "
             "drop or shorten long prompts before generation, or raise max_prompt_length."
         )
     if min(len(ids) for ids in encoded) == 0:

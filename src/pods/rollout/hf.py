@@ -10,7 +10,6 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 from pods.rollout.base import (
     Rollouts,
     SamplingParams,
-    check_generate_args,
     cut_after_stop,
     eos_token_ids,
     left_pad,
@@ -86,13 +85,7 @@ class HFGenerateEngine:
 
     def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
         """``num_generations`` completions of each prompt, prompt-major (row ``p * n + i``)."""
-        check_generate_args(prompts, num_generations)
-        encoded = tokenize_prompts(
-            self.tokenizer,
-            prompts,
-            add_special_tokens=self.add_special_tokens,
-            max_prompt_length=self.max_prompt_length,
-        )
+        encoded = tokenize_prompts(self, prompts, num_generations)
         prompt_ids, prompt_mask = left_pad(encoded, self.pad_token_id)
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)

@@ -30,7 +30,6 @@ import torch
 from pods.rollout.base import (
     Rollouts,
     SamplingParams,
-    check_generate_args,
     cut_after_stop,
     eos_token_ids,
     left_pad,
@@ -179,13 +178,7 @@ class VLLMEngine:
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
         """``num_generations`` completions of each prompt, prompt-major, with the log-probs vLLM sampled."""
-        check_generate_args(prompts, num_generations)
-        encoded = tokenize_prompts(
-            self.tokenizer,
-            prompts,
-            add_special_tokens=self.add_special_tokens,
-            max_prompt_length=self.max_prompt_length,
-        )
+        encoded = tokenize_prompts(self, prompts, num_generations)
         seeds = [None] * len(prompts)
         if not sampling.greedy:
             seeds = torch.randint(0, _SEED_SPAN, (len(prompts),)).tolist()
