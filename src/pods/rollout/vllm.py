@@ -125,7 +125,8 @@ class VLLMEngine:
             previous.close()
         vllm = _import_vllm()
         self._vllm = vllm
-        self._folder = tempfile.mkdtemp(prefix="pods-vllm-")
+        self._folder = tempfile.mkdtemp(prefix="pods-vllm-")  # the model's config and tokenizer, for vLLM
+        weakref.finalize(self, shutil.rmtree, self._folder, True)  # removed with the engine, or at exit
         config = _base_model(model).config
         config.save_pretrained(self._folder)
         positions = getattr(config, "max_position_embeddings", None)
