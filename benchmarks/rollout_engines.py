@@ -4,8 +4,8 @@
 
 1. the embedded model (float32), 16 arithmetic test prompts x n in {4, 16, 64}, <= 32 new tokens, T = 1;
 2. a long-prompt case: GSM8K test prompts in the paper's chat format, a tiny random Qwen2 model with the
-   real Qwen2.5 tokenizer (151k vocabulary; ../shared/data/tokenizers/qwen2.5), 16 prompts x n = 16, 128 new
-   tokens (the random model rarely stops early);
+   real Qwen2.5 tokenizer (151k vocabulary; ../shared/data/tokenizers/qwen2.5), 8 prompts x n = 8, 128 new
+   tokens (the random model rarely stops early), one timed call after the warm-up;
 3. the engines' start-up and first call;
 4. the update (log-probs, loss, backward, AdamW step on 16 prompts x m = 4 kept rows) before any vLLM engine
    exists, and again with the engine resident in the process (vLLM lowers torch to one thread on a CPU;
@@ -30,7 +30,7 @@ from pods.rollout import HFGenerateEngine, SamplingParams
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def timed(call, repeats: int) -> tuple[float, int]:
+def timed(call, repeats: int, label: str) -> tuple[float, int]:
     """(median seconds, completion tokens of the last call) over ``repeats`` calls after a warm-up."""
     call()
     seconds, tokens = [], 0
@@ -40,6 +40,7 @@ def timed(call, repeats: int) -> tuple[float, int]:
         rollouts = call()
         seconds.append(time.perf_counter() - start)
         tokens = int(rollouts.completion_mask.sum())
+    print(f"{label}: {statistics.median(seconds):.3f} s ({tokens} tokens)", flush=True)
     return statistics.median(seconds), tokens
 
 
@@ -139,14 +140,17 @@ def main() -> None:
 
     # HF first, and the update, before any vLLM engine exists in the process.
     results["update_seconds_without_engine"] = update_seconds(model, tokenizer, prompts, args.repeats)
+    print(f"update without engine: {results['update_seconds_without_engine']:.3f} s", flush=True)
     start = time.perf_counter()
     hf = HFGenerateEngine(model, tokenizer, generation_batch_size=1024)
     results["hf_first_call_seconds"] = _first_call(hf, prompts, short)
     results["hf_startup_seconds"] = time.perf_counter() - start - results["hf_first_call_seconds"]
     for n in (4, 16, 64):
-        results[f"hf_embedded_n{n}"] = timed(lambda n=n: hf.generate(prompts, n, short), args.repeats)
+        results[f"hf_embedded_n{n}"] = timed(
+            lambda n=n: hf.generate(prompts, n, short), args.repeats, f"hf n={n}"
+        )
     hf_long = HFGenerateEngine(long_model, long_tokenizer, generation_batch_size=256)
-    results["hf_long_n16"] = timed(lambda: hf_long.generate(long_prompts, 16, long), args.repeats)
+    results["hf_long"] = timed(lambda: hf_long.generate(long_prompts, 8, long), 1, "hf long")
 
     start = time.perf_counter()
     from pods.rollout.vllm import VLLMEngine
@@ -158,12 +162,14 @@ def main() -> None:
     vllm.sync_weights(model)
     results["vllm_sync_seconds"] = time.perf_counter() - start
     for n in (4, 16, 64):
-        results[f"vllm_embedded_n{n}"] = timed(lambda n=n: vllm.generate(prompts, n, short), args.repeats)
+        results[f"vllm_embedded_n{n}"] = timed(
+            lambda n=n: vllm.generate(prompts, n, short), args.repeats, f"vllm n={n}"
+        )
     results["torch_threads_with_engine"] = torch.get_num_threads()
     results["update_seconds_with_engine"] = update_seconds(model, tokenizer, prompts, args.repeats)
     vllm.close()
     vllm_long = VLLMEngine(long_model, long_tokenizer)
-    results["vllm_long_n16"] = timed(lambda: vllm_long.generate(long_prompts, 16, long), args.repeats)
+    results["vllm_long"] = timed(lambda: vllm_long.generate(long_prompts, 8, long), 1, "vllm long")
 
     print(
         f"torch threads: {results['torch_threads']} (with the vLLM engine: {results['torch_threads_with_engine']})"
@@ -173,7 +179,7 @@ def main() -> None:
         ("embedded_n4", "embedded, 16 prompts x 4, 32 tokens"),
         ("embedded_n16", "embedded, 16 prompts x 16, 32 tokens"),
         ("embedded_n64", "embedded, 16 prompts x 64, 32 tokens"),
-        ("long_n16", "GSM8K chat prompts, tiny Qwen-vocab model, 16 x 16, 128 tokens"),
+        ("long", "GSM8K chat prompts, tiny Qwen-vocab model, 8 x 8, 128 tokens"),
     ]:
         (hf_s, hf_tokens), (vllm_s, vllm_tokens) = results[f"hf_{key}"], results[f"vllm_{key}"]
         print(
