@@ -81,7 +81,7 @@ def long_prompt_setup():
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).eval()
     rows = load_task(
-        "gsm8k", "test", source=str(SHARED / "gsm8k"), prompt_style="chat", tokenizer=tokenizer, limit=16
+        "gsm8k", "test", source=str(SHARED / "gsm8k"), prompt_style="chat", tokenizer=tokenizer, limit=8
     )
     prompts = [render_prompt(rows[i]["prompt"], tokenizer) for i in range(len(rows))]
     return model, tokenizer, prompts
