@@ -5,14 +5,16 @@
 1. the embedded model (float32), 16 arithmetic test prompts x n in {4, 16, 64}, <= 32 new tokens, T = 1;
 2. a long-prompt case: GSM8K test prompts in the paper's chat format, a tiny random Qwen2 model with the
    real Qwen2.5 tokenizer (151k vocabulary; ../shared/data/tokenizers/qwen2.5), 8 prompts x n = 8, 128 new
-   tokens (the random model rarely stops early), one timed call after the warm-up;
+   tokens (the random model rarely stops early), one timed round after the warm-up;
 3. the engines' start-up and first call;
 4. the update (log-probs, loss, backward, AdamW step on 16 prompts x m = 4 kept rows) before any vLLM engine
    exists, and again with the engine resident in the process (vLLM lowers torch to one thread on a CPU;
    pods gives the update its threads back).
 
-Generation figures are medians over ``--repeats`` calls after one warm-up call, both engines through the
-same ``RolloutEngine.generate`` (real rollouts: EOS ends a completion), so tokens generated are reported too.
+Generation figures are medians over ``--repeats`` rounds (one for the long case) after one warm-up call per
+engine, the two engines called in turn within each round so that both see the same load; both go through
+``RolloutEngine.generate`` (real rollouts: EOS ends a completion), so tokens generated are reported too.
+HF ``generate`` runs with torch's threads (all cores); vLLM samples on one (its choice on the CPU).
 """
 
 from __future__ import annotations
@@ -30,18 +32,23 @@ from pods.rollout import HFGenerateEngine, SamplingParams
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def timed(call, repeats: int, label: str) -> tuple[float, int]:
-    """(median seconds, completion tokens of the last call) over ``repeats`` calls after a warm-up."""
-    call()
-    seconds, tokens = [], 0
+def side_by_side(calls: dict, repeats: int, label: str) -> dict[str, tuple[float, int]]:
+    """Per engine (median seconds, completion tokens of the last call): one warm-up call each, then
+    ``repeats`` rounds that call the engines in turn, so both see the same load on a shared machine."""
+    for call in calls.values():
+        call()
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    tokens: dict[str, int] = {}
     for repeat in range(repeats):
-        torch.manual_seed(repeat)
-        start = time.perf_counter()
-        rollouts = call()
-        seconds.append(time.perf_counter() - start)
-        tokens = int(rollouts.completion_mask.sum())
-    print(f"{label}: {statistics.median(seconds):.3f} s ({tokens} tokens)", flush=True)
-    return statistics.median(seconds), tokens
+        for name, call in calls.items():
+            torch.manual_seed(repeat)
+            start = time.perf_counter()
+            rollouts = call()
+            seconds[name].append(time.perf_counter() - start)
+            tokens[name] = int(rollouts.completion_mask.sum())
+    result = {name: (statistics.median(seconds[name]), tokens[name]) for name in calls}
+    print(label, {name: f"{s:.3f} s, {t} tokens" for name, (s, t) in result.items()}, flush=True)
+    return result
 
 
 def embedded_setup():
@@ -138,19 +145,11 @@ def main() -> None:
     short = SamplingParams(max_new_tokens=32, temperature=1.0)
     long = SamplingParams(max_new_tokens=128, temperature=1.0)
 
-    # HF first, and the update, before any vLLM engine exists in the process.
+    # The update first, before any vLLM engine exists in the process.
     results["update_seconds_without_engine"] = update_seconds(model, tokenizer, prompts, args.repeats)
     print(f"update without engine: {results['update_seconds_without_engine']:.3f} s", flush=True)
-    start = time.perf_counter()
     hf = HFGenerateEngine(model, tokenizer, generation_batch_size=1024)
     results["hf_first_call_seconds"] = _first_call(hf, prompts, short)
-    results["hf_startup_seconds"] = time.perf_counter() - start - results["hf_first_call_seconds"]
-    for n in (4, 16, 64):
-        results[f"hf_embedded_n{n}"] = timed(
-            lambda n=n: hf.generate(prompts, n, short), args.repeats, f"hf n={n}"
-        )
-    hf_long = HFGenerateEngine(long_model, long_tokenizer, generation_batch_size=256)
-    results["hf_long"] = timed(lambda: hf_long.generate(long_prompts, 8, long), 1, "hf long")
 
     start = time.perf_counter()
     from pods.rollout.vllm import VLLMEngine
@@ -162,14 +161,30 @@ def main() -> None:
     vllm.sync_weights(model)
     results["vllm_sync_seconds"] = time.perf_counter() - start
     for n in (4, 16, 64):
-        results[f"vllm_embedded_n{n}"] = timed(
-            lambda n=n: vllm.generate(prompts, n, short), args.repeats, f"vllm n={n}"
+        pair = side_by_side(
+            {
+                "hf": lambda n=n: hf.generate(prompts, n, short),
+                "vllm": lambda n=n: vllm.generate(prompts, n, short),
+            },
+            args.repeats,
+            f"embedded n={n}",
         )
+        results[f"hf_embedded_n{n}"], results[f"vllm_embedded_n{n}"] = pair["hf"], pair["vllm"]
     results["torch_threads_with_engine"] = torch.get_num_threads()
     results["update_seconds_with_engine"] = update_seconds(model, tokenizer, prompts, args.repeats)
     vllm.close()
+
+    hf_long = HFGenerateEngine(long_model, long_tokenizer, generation_batch_size=256)
     vllm_long = VLLMEngine(long_model, long_tokenizer)
-    results["vllm_long"] = timed(lambda: vllm_long.generate(long_prompts, 8, long), 1, "vllm long")
+    pair = side_by_side(
+        {
+            "hf": lambda: hf_long.generate(long_prompts, 8, long),
+            "vllm": lambda: vllm_long.generate(long_prompts, 8, long),
+        },
+        1,
+        "long prompts",
+    )
+    results["hf_long"], results["vllm_long"] = pair["hf"], pair["vllm"]
 
     print(
         f"torch threads: {results['torch_threads']} (with the vLLM engine: {results['torch_threads_with_engine']})"
@@ -187,7 +202,7 @@ def main() -> None:
             f"| {hf_s / vllm_s:.1f}x |"
         )
     print(
-        f"start-up: HF {results['hf_startup_seconds']:.2f} s + first call {results['hf_first_call_seconds']:.2f} s; "
+        f"start-up: HF first call {results['hf_first_call_seconds']:.2f} s; "
         f"vLLM {results['vllm_startup_seconds']:.2f} s (import, engine, weights) + first call "
         f"{results['vllm_first_call_seconds']:.2f} s; weight push {results['vllm_sync_seconds'] * 1000:.0f} ms"
     )
