@@ -103,6 +103,29 @@ def test_a_few_real_steps(tiny_model_dir: Path, tmp_path: Path, overrides: dict)
     assert (checkpoint / "model").is_dir()
 
 
+def test_kl_and_clip_metrics_do_not_depend_on_micro_batch_size(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Averaged over tokens, not micro-batches: completions of unequal length make the two differ."""
+    logged = []
+    for micro in (1, 4):
+        run_tiny(
+            tiny_model_dir,
+            tmp_path / f"micro{micro}",
+            max_steps=1,
+            micro_batch_size=micro,
+            num_iterations=2,  # the second pass has moved: KL > 0 and some ratios clip
+            beta=0.1,
+            epsilon=0.02,
+            learning_rate=3e-2,
+            stop_strings=["a", "e"],  # completions of 1 to 8 tokens
+            save_final=False,
+        )
+        logged.append(read_jsonl(tmp_path / f"micro{micro}" / "metrics.jsonl")[0])
+    assert logged[0]["completions/min_length"] < logged[0]["completions/max_length"]
+    for key in ("kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+        assert logged[0][key] == pytest.approx(logged[1][key], rel=1e-5, abs=1e-9), key
+    assert logged[0]["kl"] > 0 and logged[0]["clip_ratio/region_mean"] > 0
+
+
 def test_mean_reward_rises(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_config(
         tiny_model_dir,

@@ -319,7 +319,10 @@ class PODSTrainer:
             "clip_ratio/high_mean": "clip_high_fraction",
             "clip_ratio/region_mean": "clip_fraction",
         }
-        totals = {"loss": 0.0, **dict.fromkeys(statistics, 0.0)}
+        loss = 0.0
+        # Token-weighted sums of the statistics, and the token count: averages over tokens (all micro-batches,
+        # passes and processes), so they do not depend on micro_batch_size.
+        sums = torch.zeros(len(statistics) + 1, dtype=torch.float64)
         grad_norms = []
         for _ in range(cfg.num_iterations):
             for part in parts:
@@ -348,11 +351,14 @@ class PODSTrainer:
                     if acc.sync_gradients:
                         self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
-                weight = 1 / (len(parts) * cfg.num_iterations)
-                totals["loss"] += out.loss.item() / cfg.num_iterations
-                for name, attribute in statistics.items():
-                    totals[name] += getattr(out, attribute).item() * weight
-        return {**totals, "grad_norm": sum(grad_norms) / len(grad_norms)}
+                loss += out.loss.item() / cfg.num_iterations
+                tokens = out.num_tokens.item()
+                sums += torch.tensor(
+                    [getattr(out, a).item() * tokens for a in statistics.values()] + [tokens]
+                )
+        sums = self._synced_sum(sums.to(device)).cpu()
+        means = {name: float(sums[i] / max(float(sums[-1]), 1.0)) for i, name in enumerate(statistics)}
+        return {"loss": loss, **means, "grad_norm": sum(grad_norms) / len(grad_norms)}
 
     @contextlib.contextmanager
     def _reference(self):
