@@ -126,6 +126,26 @@ def test_kl_and_clip_metrics_do_not_depend_on_micro_batch_size(tiny_model_dir: P
     assert logged[0]["kl"] > 0 and logged[0]["clip_ratio/region_mean"] > 0
 
 
+def test_old_and_reference_logprobs_are_computed_in_eval_mode_at_every_step(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With LoRA dropout, train-mode old log-probs would be noisy; every no-grad forward must be eval mode."""
+    trainer = PODSTrainer(
+        tiny_config(
+            tiny_model_dir, tmp_path, max_steps=3, num_iterations=2, beta=0.1, lora_r=4, lora_dropout=0.5
+        ),
+        reward_funcs=[count_of_a],
+        train_dataset=tiny_dataset(),
+    )
+    modes = []  # training flag of every forward pass that builds no graph (generation, old and ref log-probs)
+    base = trainer.accelerator.unwrap_model(trainer.model).get_base_model()
+    base.register_forward_pre_hook(
+        lambda module, args: None if torch.is_grad_enabled() else modes.append(module.training)
+    )
+    trainer.train()
+    assert len(modes) > 3 * 8 and not any(modes), modes
+
+
 def test_mean_reward_rises(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_config(
         tiny_model_dir,

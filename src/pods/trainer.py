@@ -304,7 +304,10 @@ class PODSTrainer:
             )
 
         parts = [slice(start, start + micro) for start in range(0, rows, micro)]
+        # Old and reference log-probs: always in evaluation mode (no dropout), at every step. The first pass
+        # is on-policy (ratio exactly 1, as with num_iterations = 1); later passes use the old log-probs.
         old_logprobs = ref_logprobs = None
+        model.eval()
         if cfg.num_iterations > 1:
             with torch.no_grad():
                 old_logprobs = torch.cat([logprobs_of(model, part) for part in parts])
@@ -324,7 +327,7 @@ class PODSTrainer:
         # passes and processes), so they do not depend on micro_batch_size.
         sums = torch.zeros(len(statistics) + 1, dtype=torch.float64)
         grad_norms = []
-        for _ in range(cfg.num_iterations):
+        for iteration in range(cfg.num_iterations):
             for part in parts:
                 # accelerate syncs gradients (DDP / DeepSpeed / FSDP) and lets the optimizer step only on
                 # the last micro-batch of each pass; it divides the loss by the number of micro-batches,
@@ -334,7 +337,7 @@ class PODSTrainer:
                         logprobs_of(model, part),
                         advantages[part],
                         mask[part],
-                        old_logprobs=None if old_logprobs is None else old_logprobs[part],
+                        old_logprobs=None if iteration == 0 else old_logprobs[part],
                         ref_logprobs=None if ref_logprobs is None else ref_logprobs[part],
                         epsilon=cfg.epsilon,
                         epsilon_high=cfg.epsilon_high,
