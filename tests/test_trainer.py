@@ -146,6 +146,14 @@ def test_old_and_reference_logprobs_are_computed_in_eval_mode_at_every_step(
     assert len(modes) > 3 * 8 and not any(modes), modes
 
 
+def test_full_fine_tuning_kl_reference_runs_under_the_same_mixed_precision(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """At the first step the policy is the reference: under bf16 autocast for both, the KL is exactly 0."""
+    run_tiny(tiny_model_dir, tmp_path, max_steps=1, beta=0.1, mixed_precision="bf16", save_final=False)
+    assert read_jsonl(tmp_path / "metrics.jsonl")[0]["kl"] == 0.0
+
+
 def test_mean_reward_rises(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_config(
         tiny_model_dir,

@@ -312,7 +312,8 @@ class PODSTrainer:
             with torch.no_grad():
                 old_logprobs = torch.cat([logprobs_of(model, part) for part in parts])
         if cfg.beta > 0:
-            with torch.no_grad(), self._reference() as reference:
+            # Under the policy's mixed precision: accelerate autocasts the prepared policy, not this copy.
+            with torch.no_grad(), acc.autocast(), self._reference() as reference:
                 ref_logprobs = torch.cat([logprobs_of(reference, part) for part in parts])
 
         model.train()
