@@ -154,6 +154,22 @@ def test_full_fine_tuning_kl_reference_runs_under_the_same_mixed_precision(
     assert read_jsonl(tmp_path / "metrics.jsonl")[0]["kl"] == 0.0
 
 
+def test_unscorable_completions_follow_trls_rule(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Every reward function None: NaN, out of the reward statistics and the baseline (was counted as 0)."""
+    given: list = []
+
+    def one_or_none(prompts, completions, completion_ids=None, **columns):
+        given.extend(None if len(ids) % 2 == 0 else 1.0 for ids in completion_ids)
+        return given[-len(completion_ids) :]
+
+    config = tiny_config(tiny_model_dir, tmp_path, max_steps=1, stop_strings=["a", "e"], save_final=False)
+    PODSTrainer(config, reward_funcs=[one_or_none], train_dataset=tiny_dataset()).train()
+    assert None in given and 1.0 in given
+    row = read_jsonl(tmp_path / "metrics.jsonl")[0]
+    assert row["reward"] == 1.0 and row["rewards/one_or_none/mean"] == 1.0
+    assert row["pods/reward_kept"] == 1.0
+
+
 def test_mean_reward_rises(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_config(
         tiny_model_dir,

@@ -138,12 +138,9 @@ def test_scale_mapping_and_summed_rewards() -> None:
     ]
     with pytest.raises(ValueError, match="scale_rewards"):
         advantage_scale("std")
-    per_func = torch.tensor([[1.0, float("nan")], [0.5, 2.0]])
-    assert summed_rewards(per_func, torch.tensor([1.0, 0.5])).tolist() == [1.0, 1.5]
-    with pytest.raises(
-        ValueError, match=r"returned None for 1 completion\(s\) \(first at row 1\).*return 0.0"
-    ):
-        summed_rewards(torch.tensor([[1.0], [float("nan")]]), torch.ones(1))
+    per_func = torch.tensor([[1.0, float("nan")], [0.5, 2.0], [float("nan"), float("nan")]])
+    summed = summed_rewards(per_func, torch.tensor([1.0, 0.5]))
+    assert summed[:2].tolist() == [1.0, 1.5] and summed[2].isnan()  # every function None: NaN, as in TRL
 
 
 def test_take_rows_keeps_every_per_row_entry_and_refuses_unknown_shapes() -> None:
@@ -216,6 +213,41 @@ def test_generation_batch_keeps_the_selected_rows_of_each_group(
 
     trainer.model.eval()  # evaluation is TRL's, untouched: every completion comes back
     assert trainer._generate_and_score_completions(inputs)["completion_ids"].shape[0] == 16
+
+
+def test_unscorable_completions_follow_trls_rule(tiny_model_dir, prompts, tmp_path) -> None:
+    """A completion every reward function scores None: left out of the mean and std, advantage 0 (TRL)."""
+    seen: list[list[int]] = []
+
+    def sometimes_none(completion_ids, **kwargs):
+        seen.extend(completion_ids)
+        return [None if sum(ids) % 3 == 0 else float(sum(ids) % 4) for ids in completion_ids]
+
+    args = tiny_args(
+        PODSConfig, tmp_path, num_generations_kept=3, per_device_train_batch_size=12, num_generations=6
+    )
+    trainer = PODSTrainer(str(tiny_model_dir), sometimes_none, args, prompts)
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    rewards = torch.tensor([float("nan") if sum(ids) % 3 == 0 else float(sum(ids) % 4) for ids in seen]).view(
+        -1, 6
+    )
+    assert rewards.isnan().any(), "the draw has no unscorable completion; change the reward"
+    kept = torch.tensor(
+        [
+            seen.index(ids[mask.bool()].tolist())
+            for ids, mask in zip(batch["completion_ids"], batch["completion_mask"], strict=True)
+        ]
+    )
+    kept_rewards = rewards.flatten()[kept].view(-1, 3)
+    advantages = batch["advantages"].view(-1, 3)
+    for group, values in enumerate(kept_rewards):
+        scored = values[~values.isnan()]
+        assert advantages[group][values.isnan()].eq(0).all()
+        if len(scored) > 1 and scored.std() > 0:
+            expected = (scored - scored.mean()) / (scored.std() + 1e-4)
+            torch.testing.assert_close(advantages[group][~values.isnan()], expected, rtol=1e-5, atol=1e-6)
+    assert trainer._metrics["train"]["reward"] == [pytest.approx(rewards.nanmean().item())]
 
 
 @pytest.mark.parametrize("rule", ["max_variance", "max_reward", "random", "test_lowest"])

@@ -105,16 +105,10 @@ def advantage_scale(scale_rewards: str | bool) -> str:
 
 
 def summed_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """One scalar reward per completion: the weighted sum over reward functions, as TRL computes it
-    (a ``None`` from one function counts as 0). Every completion needs at least one reward."""
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
-    if bool(unscorable.any()):
-        raise ValueError(
-            f"every reward function returned None for {int(unscorable.sum())} completion(s) (first at row "
-            f"{int(unscorable.nonzero()[0])}). PODS ranks completions by their summed reward, so each one needs "
-            "a number: return 0.0 (or a penalty) from a reward function instead of None."
-        )
-    return (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    """One scalar reward per completion: the weighted sum over reward functions, as TRL computes it (a
+    ``None`` from one function counts as 0; a completion every function scored ``None`` is NaN, TRL's rule)."""
+    summed = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    return summed.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
 
 
 def take_rows(batch: dict[str, Any], rows: torch.Tensor, num_rows: int) -> dict[str, Any]:
