@@ -273,6 +273,35 @@ def test_two_training_steps_per_rule(tiny_model_dir, prompts, tmp_path, rule: st
             assert log["pods/frac_reward_zero_std_kept"] == log["frac_reward_zero_std"]
 
 
+@pytest.mark.slow
+def test_random_rule_draws_resume_exactly(tiny_model_dir, prompts, tmp_path) -> None:
+    """After resuming from a checkpoint, the random rule keeps what an uninterrupted run keeps."""
+
+    def run(folder, resume=None):
+        args = tiny_args(
+            PODSConfig,
+            folder,
+            num_generations_kept=2,
+            selection_rule="random",
+            max_steps=4,
+            save_strategy="steps",
+            save_steps=2,
+        )
+        trainer = PODSTrainer(str(tiny_model_dir), token_sum_reward, args, prompts)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, [
+            log["pods/reward_kept"] for log in trainer.state.log_history if "pods/reward_kept" in log
+        ]
+
+    whole, kept_whole = run(tmp_path / "whole")
+    resumed, kept_resumed = run(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-2"))
+    assert kept_resumed == kept_whole and len(kept_whole) == 4
+    for (name, a), b in zip(
+        whole.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
 def test_m_equal_n_reproduces_grpo_exactly(tiny_model_dir, prompts, tmp_path) -> None:
     """Same seed, KL on and two accumulation steps: identical losses and identical weights."""
     common = dict(beta=0.04, gradient_accumulation_steps=2, max_steps=2)

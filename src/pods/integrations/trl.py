@@ -229,9 +229,12 @@ class PODSTrainer(GRPOTrainer):
             self.num_generations_kept,
             self.accelerator.num_processes,
         )
-        # Same seed on every process: each one selects over the gathered batch and must agree with the others.
-        self._pods_generator = torch.Generator().manual_seed(args.seed)
         self._pods_rewards_per_func: torch.Tensor | None = None
+
+    def _selection_generator(self) -> torch.Generator:
+        """The random rule's draws, a pure function of (seed, step): the same on every process (each selects
+        over the gathered batch and must agree with the others) and the same after a resume."""
+        return torch.Generator().manual_seed(self.args.seed * 7_919 + self.state.global_step)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[override]
         """TRL's reward computation, unchanged; keeps its gathered ``[all rows, functions]`` result for selection."""
@@ -268,7 +271,7 @@ class PODSTrainer(GRPOTrainer):
             m,
             self.args.selection_rule,
             scale=advantage_scale(self.scale_rewards),
-            generator=self._pods_generator,
+            generator=self._selection_generator(),
         )  # over every process's groups: [all groups, m]
         kept, kept_rewards, advantages = chosen.kept, chosen.rewards, chosen.advantages
 
