@@ -3,6 +3,7 @@ exact resume after a crash, a crash while checkpointing, and two processes under
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ from pods.trainer import PODSTrainer
 
 SCRIPT = Path(__file__).parent / "scripts" / "tiny_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
-from tiny_run import TINY_SETTINGS, count_of_a, low_token_ids, tiny_dataset  # noqa: E402
+from tiny_run import TINY_SETTINGS, RecordingTrainer, count_of_a, low_token_ids, tiny_dataset  # noqa: E402
 
 
 def tiny_config(model_dir: Path, output_dir: Path, **overrides) -> TrainConfig:
@@ -245,7 +246,7 @@ def test_two_processes_keep_identical_parameters(tiny_model_dir: Path, tmp_path:
         str(SCRIPT),
         str(tiny_model_dir),
         str(tmp_path),
-        json.dumps({"max_steps": 2}),
+        json.dumps({"max_steps": 2, "scale_rewards": "batch"}),
     ]
     # A clean launch environment: earlier in-process tests (accelerate, TRL) leave ACCELERATE_* and
     # rank variables in os.environ that would change what the launcher does.
@@ -264,6 +265,47 @@ def test_two_processes_keep_identical_parameters(tiny_model_dir: Path, tmp_path:
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2]
+
+    # scale_rewards: batch takes the std over every process's kept rewards, as TRL does.
+    records = [json.loads((tmp_path / f"record-rank{rank}.json").read_text()) for rank in (0, 1)]
+    m = TINY_SETTINGS["num_generations_kept"]
+    for step in range(2):
+        kept = [
+            torch.tensor(count_of_a(None, r["updates"][step]["texts"]), dtype=torch.float64) for r in records
+        ]
+        std = torch.cat(kept).std()
+        assert torch.cat(kept).view(-1, m).std(dim=1).max() > 0, "no spread to scale"
+        for rank in (0, 1):
+            rewards = kept[rank].view(-1, m)
+            expected = (rewards - rewards.mean(dim=1, keepdim=True)) / (std + 1e-4)
+            expected = expected.masked_fill((rewards.amax(1) == rewards.amin(1)).unsqueeze(1), 0.0)
+            actual = torch.tensor(records[rank]["updates"][step]["advantages"], dtype=torch.float64)
+            torch.testing.assert_close(actual, expected.flatten(), rtol=1e-5, atol=1e-6)
+
+
+def test_updates_use_exactly_the_rows_the_rule_kept(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The update sees the max-variance m of each group's n, in order, with their advantages."""
+    config = tiny_config(tiny_model_dir, tmp_path, max_steps=2, save_final=False)
+    trainer = RecordingTrainer(config, reward_funcs=[count_of_a], train_dataset=tiny_dataset())
+    trainer.train()
+    n, m = config.num_generations, config.num_generations_kept
+    for scored, update in zip(trainer.scored, trainer.updates, strict=True):
+        rewards = torch.tensor(scored["rewards"], dtype=torch.float64)  # [prompts, n]
+        for group, row in enumerate(rewards):
+            texts = scored["texts"][group * n : (group + 1) * n]
+            positions: list[int] = []  # where this group's kept texts sit among its n (a text may repeat)
+            for text in update["texts"][group * m : (group + 1) * m]:
+                assert text in texts, f"group {group} trained on a completion of another group"
+                positions.append(next(i for i, t in enumerate(texts) if t == text and i not in positions))
+            best = max(row[list(c)].var().item() for c in itertools.combinations(range(n), m))
+            kept = row[positions]
+            assert kept.var().item() == pytest.approx(best), (group, positions)
+            expected = (
+                (kept - kept.mean()) / (kept.std() + 1e-4) if kept.std() > 0 else torch.zeros_like(kept)
+            )
+            actual = torch.tensor(update["advantages"][group * m : (group + 1) * m], dtype=torch.float64)
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    assert len(set(update["texts"])) > 1
 
 
 def test_configuration_errors_before_any_work(tiny_model_dir: Path, tmp_path: Path) -> None:

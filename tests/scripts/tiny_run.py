@@ -44,6 +44,24 @@ def low_token_ids(prompts, completions, completion_ids=None, **columns) -> list[
     return [sum(token < 160 for token in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
+class RecordingTrainer(PODSTrainer):
+    """The real trainer, recording what each step scored and what it updated on (for the tests' own checks)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scored: list[dict] = []  # per step: the texts and summed rewards of all n rollouts
+        self.updates: list[dict] = []  # per step: the texts and advantages of the rows the update used
+
+    def _score(self, batch, rollouts):
+        rewards, per_function = super()._score(batch, rollouts)
+        self.scored.append({"texts": list(rollouts.texts), "rewards": rewards.tolist()})
+        return rewards, per_function
+
+    def _update(self, batch, advantages):
+        self.updates.append({"texts": list(batch.texts), "advantages": advantages.tolist()})
+        return super()._update(batch, advantages)
+
+
 def tiny_dataset(size: int = 64) -> Dataset:
     questions = [f"Question {i}: say a{'b' * (i % 5)}" for i in range(size)]
     return Dataset.from_dict(
@@ -54,7 +72,7 @@ def tiny_dataset(size: int = 64) -> Dataset:
 def main() -> None:
     model_dir, output_dir, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     settings = {"model": model_dir, "output_dir": output_dir, **TINY_SETTINGS, **overrides}
-    trainer = PODSTrainer(
+    trainer = RecordingTrainer(
         TrainConfig.from_dict(settings), reward_funcs=[count_of_a], train_dataset=tiny_dataset()
     )
     first_prompt = trainer.prompts.batch(0)[0]["question"]
@@ -66,10 +84,12 @@ def main() -> None:
         f"RESULT {trainer.accelerator.process_index} {result.steps} {checksum:.12e} {first_prompt!r}",
         flush=True,
     )
+    rank = trainer.accelerator.process_index
     torch.save(
-        {k: v.detach().clone() for k, v in model.state_dict().items()},
-        f"{output_dir}/weights-rank{trainer.accelerator.process_index}.pt",
+        {k: v.detach().clone() for k, v in model.state_dict().items()}, f"{output_dir}/weights-rank{rank}.pt"
     )
+    with open(f"{output_dir}/record-rank{rank}.json", "w") as handle:
+        json.dump({"scored": trainer.scored, "updates": trainer.updates}, handle)
 
 
 if __name__ == "__main__":
