@@ -250,6 +250,46 @@ def test_unscorable_completions_follow_trls_rule(tiny_model_dir, prompts, tmp_pa
     assert trainer._metrics["train"]["reward"] == [pytest.approx(rewards.nanmean().item())]
 
 
+def test_old_and_reference_logprobs_are_computed_on_the_kept_rows_only(
+    tiny_model_dir, prompts, tmp_path
+) -> None:
+    """TRL computes them for all n before rewards exist; PODS computes them after selection, for the m kept,
+    with the same values TRL's computation over all n gives those rows."""
+    args = tiny_args(
+        PODSConfig,
+        tmp_path,
+        num_generations_kept=2,
+        gradient_accumulation_steps=2,
+        num_iterations=2,  # generation every 4 micro-steps, accumulation over 2: TRL needs old log-probs
+        beta=0.04,
+    )
+    trainer = PODSTrainer(str(tiny_model_dir), token_sum_reward, args, prompts)
+    rows_seen = []
+    compute = trainer._get_per_token_logps_and_entropies
+
+    def counting(model, input_ids, *rest, **kwargs):
+        result = compute(model, input_ids, *rest, **kwargs)
+        if result[0] is not None:
+            rows_seen.append(input_ids.shape[0])
+        return result
+
+    trainer._get_per_token_logps_and_entropies = counting
+    trainer.model.train()
+    inputs = next(iter(trainer.get_train_dataloader()))
+    torch.manual_seed(5)
+    kept_only = trainer._generate_and_score_completions(inputs)
+    assert rows_seen == [8, 8]  # old, then reference: the 8 kept of 16 generated
+
+    trainer._defer_logps = lambda inputs: False  # TRL's way: all 16 rows, then the kept 8 are taken
+    torch.manual_seed(5)
+    all_rows = trainer._generate_and_score_completions(inputs)
+    assert rows_seen[2:] == [16, 16]
+    assert torch.equal(kept_only["completion_ids"], all_rows["completion_ids"])
+    mask = kept_only["completion_mask"].bool()
+    for key in ("old_per_token_logps", "ref_per_token_logps"):
+        torch.testing.assert_close(kept_only[key][mask], all_rows[key][mask], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("rule", ["max_variance", "max_reward", "random", "test_lowest"])
 def test_two_training_steps_per_rule(tiny_model_dir, prompts, tmp_path, rule: str) -> None:
     args = tiny_args(PODSConfig, tmp_path, num_generations_kept=2, selection_rule=rule)
