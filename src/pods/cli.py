@@ -42,11 +42,21 @@ def load_train_config(config: str | None, overrides: list[str]):
 # ---------------------------------------------------------------------------------------------- train
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from pods.plotting import plot_runs
-    from pods.trainer import train
+    from pods.trainer import TrainingStopped, train
 
     config = load_train_config(args.config, overrides)
     _quiet_libraries()
-    result = train(config)
+    try:
+        result = train(config)
+    except TrainingStopped as stopped:
+        if _is_main_process():
+            print(
+                f"\npods train: stopped by {stopped.signal_name} after step {stopped.step}; "
+                f"checkpoint: {stopped.checkpoint}\nContinue this run with:\n  "
+                f"{resume_command(args.config, overrides, stopped.output_dir)}",
+                file=sys.stderr,
+            )
+        return stopped.exit_code
     if not _is_main_process():
         return 0
     plot = plot_runs([result.output_dir], result.output_dir / "training.png")
@@ -66,6 +76,23 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"Checkpoint:  {result.checkpoint} (model for `pods eval`: {result.checkpoint / 'model'})")
     print(f"Plot:        {plot}")
     return 0
+
+
+def resume_command(config: str | None, overrides: list[str], output_dir: Path) -> str:
+    """The ``pods train`` command that continues a run: the same options, its run folder, ``--resume_from auto``."""
+    import shlex
+
+    kept, index = [], 0
+    while index < len(overrides):
+        item = overrides[index]
+        key, sep, _ = item.lstrip("-").partition("=")
+        takes_value = item.startswith("--") and not sep and index + 1 < len(overrides)
+        width = 2 if takes_value and not overrides[index + 1].startswith("--") else 1
+        if key.replace("-", "_") not in ("output_dir", "resume_from"):
+            kept += overrides[index : index + width]
+        index += width
+    head = ["pods", "train"] + (["--config", config] if config else [])
+    return shlex.join(head + kept + ["--output_dir", str(output_dir), "--resume_from", "auto"])
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -115,35 +142,59 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def find_model_folder(name: str) -> str:
-    """A model folder, hub name, ``embedded``, a checkpoint (uses its ``model/``) or a run (its latest checkpoint)."""
-    from pods.checkpoint import latest_checkpoint
+    """A model folder, hub name, ``embedded``, a checkpoint (uses its ``model/``) or a run (its newest intact checkpoint).
+
+    A checkpoint's model files are checked against its manifest first: a damaged one is a clear error.
+    """
+    from pods.checkpoint import STATE_FILE, newest_intact_checkpoint, verify_checkpoint
+    from pods.config import ConfigError
     from pods.models import resolve_model_path
 
     path = Path(name)
-    if (path / "trainer_state.json").is_file():
+    if path.name == "model" and (path.parent / STATE_FILE).is_file():
+        path = path.parent
+    if (path / STATE_FILE).is_file():
+        verify_checkpoint(path, under="model")
         return str(path / "model")
     if (path / "checkpoints").is_dir():
-        latest = latest_checkpoint(path / "checkpoints")
-        if latest is None:
-            from pods.config import ConfigError
-
-            raise ConfigError(f"--model {name}: this run folder has no complete checkpoint yet")
-        return str(latest / "model")
+        warn = lambda text: print(f"pods eval: warning: {text}", file=sys.stderr)  # noqa: E731
+        found = newest_intact_checkpoint(path / "checkpoints", warn=warn)
+        if found is None:
+            raise ConfigError(f"--model {name}: this run folder has no intact checkpoint")
+        return str(found / "model")
     return resolve_model_path(name)
 
 
 def load_model_for_eval(model_dir: str):
+    """Load safetensors weights only, never running a model's own code; a broken folder is a clear error."""
     import torch
 
-    if (Path(model_dir) / "adapter_config.json").is_file():
-        from peft import AutoPeftModelForCausalLM
-
-        return AutoPeftModelForCausalLM.from_pretrained(model_dir).eval()
-    from transformers import AutoModelForCausalLM
+    from pods.config import ConfigError
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    try:
+        if (Path(model_dir) / "adapter_config.json").is_file():
+            from peft import AutoPeftModelForCausalLM
+
+            return AutoPeftModelForCausalLM.from_pretrained(model_dir, use_safetensors=True).eval()
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=False
+        )
+    except Exception as error:  # safetensors, OSError, ValueError, ...: name the folder and the cause
+        raise ConfigError(
+            f"--model {model_dir}: cannot load the model ({type(error).__name__}: {_first_line(error)}); "
+            "the folder may be damaged or incomplete (pods eval reads model.safetensors only and never runs "
+            "a model's own code)"
+        ) from None
+    return model.to(device).eval()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no details"
 
 
 # ---------------------------------------------------------------------------------------------- compare
@@ -348,16 +399,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if extra and args.command not in ("train", "compare"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from pods.checkpoint import CheckpointWriteError
     from pods.config import ConfigError
     from pods.scoring import RewardFunctionError
+    from pods.trainer import NonFiniteError
 
     try:
         return args.handler(args, extra)
-    except (ConfigError, RewardFunctionError, ValueError, FileNotFoundError, ImportError) as error:
+    except (
+        ConfigError,
+        RewardFunctionError,
+        NonFiniteError,
+        CheckpointWriteError,
+        ValueError,
+        OSError,
+        ImportError,
+    ) as error:
         print(f"pods {args.command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"\npods {args.command}: interrupted", file=sys.stderr)
+        resume = (
+            " (pods train: the step in flight is lost; --resume_from auto continues from the last checkpoint)"
+        )
+        print(f"\npods {args.command}: aborted{resume if args.command == 'train' else ''}", file=sys.stderr)
         return 130
 
 

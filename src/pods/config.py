@@ -76,6 +76,9 @@ class TrainConfig:
     # --- rewards and loss ---
     reward_funcs: list[str] | None = None  # names in pods.rewards; None = the task's (arith: accuracy)
     reward_weights: list[float] | None = None
+    reward_timeout: float | None = (
+        None  # seconds per reward-function call; past it the run ends (None = no limit)
+    )
     scale_rewards: str = "group"  # group (paper), batch, none (Dr. GRPO)
     advantage_eps: float = 1e-4
     loss_type: str = "grpo"
@@ -93,6 +96,9 @@ class TrainConfig:
     adam_beta2: float = 0.999
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    max_consecutive_skips: int = (
+        3  # optimizer steps with a NaN/inf loss or grad norm are skipped; this many in a row stop the run
+    )
     micro_batch_size: int = 64  # kept rows per forward/backward pass
     mixed_precision: str = "no"  # no, bf16, fp16, or auto (bf16 where the GPU supports it)
 
@@ -203,6 +209,12 @@ class TrainConfig:
         _require(self.max_time is None or self.max_time > 0, "max_time", "must be positive (seconds)")
         _require(self.torch_threads is None or self.torch_threads >= 1, "torch_threads", "must be at least 1")
         _require(self.save_total_limit >= 1, "save_total_limit", "must be at least 1")
+        _require(self.max_consecutive_skips >= 1, "max_consecutive_skips", "must be at least 1")
+        _require(
+            self.reward_timeout is None or self.reward_timeout > 0,
+            "reward_timeout",
+            "must be positive (seconds), or null for no limit",
+        )
         _require(self.eval_samples >= 1, "eval_samples", "must be at least 1")
 
     def check_names(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -26,20 +27,29 @@ import torch
 
 from pods.advantages import downsample, nanstd
 from pods.checkpoint import (
+    STATE_FILE,
     TrainerState,
+    checkpoint_problem,
     latest_checkpoint,
+    list_checkpoint_folders,
     load_checkpoint,
+    newest_intact_checkpoint,
     remove_partial_checkpoints,
     save_checkpoint,
 )
 from pods.config import ConfigError, TrainConfig
 from pods.evaluation import EvalResult, evaluate
+from pods.interrupts import StopRequests, TrainingStopped
 from pods.loss import completion_logprobs, policy_loss
 from pods.metrics import JsonlLog, read_jsonl, reward_metrics
 from pods.models import Policy, load_policy, load_reference
 from pods.progress import TrainingProgress
 from pods.rollout import HFGenerateEngine, Rollouts, SamplingParams
 from pods.scoring import RewardFunction, reward_name, score_completions
+
+
+class NonFiniteError(RuntimeError):
+    """``max_consecutive_skips`` optimizer steps in a row had a non-finite loss or gradient norm."""
 
 
 @dataclass
@@ -161,6 +171,7 @@ class PODSTrainer:
             cfg.save(self.output_dir / "config.yaml")
         acc.wait_for_everyone()
         self.checkpoint_root = self.output_dir / "checkpoints"
+        self._saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint written or loaded
         self.metrics_log = JsonlLog(self.output_dir / "metrics.jsonl", enabled=acc.is_main_process)
         self.eval_log = JsonlLog(self.output_dir / "eval.jsonl", enabled=acc.is_main_process)
 
@@ -179,7 +190,6 @@ class PODSTrainer:
         optimizer = self._make_optimizer(trainable)
         self.scheduler = self._make_scheduler(optimizer)
         self.model, self.optimizer = acc.prepare(self.policy.model, optimizer)
-        acc.register_for_checkpointing(self.scheduler)  # stepped by us, once per optimizer step
         self.reference = None
         if cfg.beta > 0 and not self.policy.is_lora:
             self.reference = load_reference(cfg).to(acc.device)
@@ -208,10 +218,12 @@ class PODSTrainer:
         cfg, acc = self.config, self.accelerator
         n, m = cfg.num_generations, cfg.num_generations_kept
         state = self._resume_or_start()
-        with TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time) as progress:
+        stop = StopRequests(reduce_max=self._synced_max if acc.num_processes > 1 else None)
+        progress = TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time)
+        with stop, progress:
             if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
                 self._evaluate(state, progress)
-            while not self._finished(state):
+            while not self._finished(state) and not stop.agreed():
                 timer = StepTimer()
                 self._seed_step(state.step)
                 batch = self.prompts.batch(state.step)
@@ -232,7 +244,7 @@ class PODSTrainer:
                     )
                     kept_rollouts = rollouts.select(chosen.rows)
                 with timer("update"):  # 5. the GRPO update on the kept rows only
-                    update = self._update(kept_rollouts, chosen.advantages.flatten())
+                    update = self._update(state, kept_rollouts, chosen.advantages.flatten())
 
                 state.step += 1
                 state.train_seconds += self._synced(timer.total)
@@ -249,13 +261,18 @@ class PODSTrainer:
                 if self._save_due(state):
                     self._save(state)
 
-            if state.last_eval_seconds != state.train_seconds and (
-                cfg.eval_at_start or cfg.eval_every_seconds
+            stopped = stop.agreed()  # once more on every process: a signal during the last step counts
+            if (
+                not stopped
+                and state.last_eval_seconds != state.train_seconds
+                and (cfg.eval_at_start or cfg.eval_every_seconds)
             ):
                 self._evaluate(state, progress)
-            checkpoint = self._save(state) if cfg.save_final else None
+            checkpoint = self._save(state) if cfg.save_final or stopped else None
         if cfg.report_to:
             acc.end_training()
+        if stopped:
+            raise TrainingStopped(stop.agreed_signal, state.step, checkpoint, self.output_dir)
         evals = read_jsonl(self.eval_log.path) if self.eval_log.path.is_file() else []
         return TrainResult(self.output_dir, state.step, state.train_seconds, evals, checkpoint)
 
@@ -276,12 +293,18 @@ class PODSTrainer:
             for ids, mask in zip(rollouts.completion_ids, rollouts.completion_mask, strict=True)
         ]
         total, per_function = score_completions(
-            self.reward_funcs, self.config.reward_weights, prompts, rollouts.texts, completion_ids, columns
+            self.reward_funcs,
+            self.config.reward_weights,
+            prompts,
+            rollouts.texts,
+            completion_ids,
+            columns,
+            timeout=self.config.reward_timeout,
         )
         shape = (len(batch), n)
         return total.view(shape), {name: values.view(shape) for name, values in per_function.items()}
 
-    def _update(self, batch: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
+    def _update(self, state: TrainerState, batch: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
         """Gradient steps on the kept rows: micro-batches accumulated, ``num_iterations`` passes."""
         cfg, acc, model = self.config, self.accelerator, self.model
         device = acc.device
@@ -327,7 +350,7 @@ class PODSTrainer:
         # Token-weighted sums of the statistics, and the token count: averages over tokens (all micro-batches,
         # passes and processes), so they do not depend on micro_batch_size.
         sums = torch.zeros(len(statistics) + 1, dtype=torch.float64)
-        grad_norms = []
+        grad_norms, finite = [], True
         for iteration in range(cfg.num_iterations):
             for part in parts:
                 # accelerate syncs gradients (DDP / DeepSpeed / FSDP) and lets the optimizer step only on
@@ -349,12 +372,15 @@ class PODSTrainer:
                         max_completion_length=cfg.max_completion_length,
                     )
                     acc.backward(out.loss * acc.gradient_accumulation_steps)
+                    finite = finite and math.isfinite(out.loss.item())
                     if acc.sync_gradients:
-                        grad_norms.append(float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
-                    self.optimizer.step()
-                    if acc.sync_gradients:
-                        self.scheduler.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                        grad_norm = float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                        grad_norms.append(grad_norm)
+                        if self._step_is_finite(state, finite and math.isfinite(grad_norm)):
+                            self.optimizer.step()
+                            self.scheduler.step()
+                        finite = True
+                    self.optimizer.zero_grad(set_to_none=True)  # accelerate clears only after a sync
                 loss += out.loss.item() / cfg.num_iterations
                 tokens = out.num_tokens.item()
                 sums += torch.tensor(
@@ -363,6 +389,26 @@ class PODSTrainer:
         sums = self._synced_sum(sums.to(device)).cpu()
         means = {name: float(sums[i] / max(float(sums[-1]), 1.0)) for i, name in enumerate(statistics)}
         return {"loss": loss, **means, "grad_norm": sum(grad_norms) / len(grad_norms)}
+
+    def _step_is_finite(self, state: TrainerState, finite: bool) -> bool:
+        """The non-finite guard: a NaN/inf loss or gradient norm on any process skips the optimizer step
+        (weights, optimizer and scheduler unchanged); ``max_consecutive_skips`` in a row end the run."""
+        if self.accelerator.num_processes > 1:
+            finite = not self._synced_max(int(not finite))
+        if finite:
+            state.consecutive_skips = 0
+            return True
+        state.skipped_steps += 1
+        state.consecutive_skips += 1
+        limit = self.config.max_consecutive_skips
+        if state.consecutive_skips >= limit:
+            raise NonFiniteError(
+                f"{limit} optimizer steps in a row had a non-finite (NaN or infinite) loss or gradient norm, "
+                f"at training step {state.step + 1}; they were skipped, so the weights are those of the last "
+                f"good step and the checkpoints in {self.checkpoint_root} are intact. Lower learning_rate or "
+                "max_grad_norm, or train in float32 (mixed_precision: no); max_consecutive_skips sets this limit"
+            )
+        return False
 
     @contextlib.contextmanager
     def _reference(self):
@@ -396,6 +442,7 @@ class PODSTrainer:
             "epoch": round(self.prompts.epoch(state.step), 4),
             "train_seconds": round(state.train_seconds, 3),
             **reward_metrics(all_rewards, kept),
+            "skipped_steps": state.skipped_steps,
         }
         for name, values in per_function.items():
             values = gather(values)
@@ -435,6 +482,9 @@ class PODSTrainer:
             return seconds
         value = torch.tensor(seconds, dtype=torch.float64, device=self.accelerator.device)
         return float(self.accelerator.reduce(value, "max"))
+
+    def _synced_max(self, value: int) -> int:
+        return int(self.accelerator.reduce(torch.tensor(value, device=self.accelerator.device), "max"))
 
     def _synced_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.accelerator.num_processes == 1:
@@ -487,10 +537,19 @@ class PODSTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, state: TrainerState) -> Path:
+        if self._saved is not None and self._saved[0] == state.step:
+            return self._saved[1]  # already saved (or resumed from) at this step
         state.last_save_seconds = state.train_seconds
-        return save_checkpoint(
-            self.accelerator, self.checkpoint_root, state, self.config.save_total_limit, export=self._export
+        folder = save_checkpoint(
+            self.accelerator,
+            self.checkpoint_root,
+            state,
+            self.config.save_total_limit,
+            export=self._export,
+            scheduler=self.scheduler,
         )
+        self._saved = (state.step, folder)
+        return folder
 
     def _export(self, folder: Path) -> None:
         """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``."""
@@ -522,24 +581,59 @@ class PODSTrainer:
             self.eval_log.reset()
             return TrainerState()
         folder = self._checkpoint_to_resume(source)
-        if folder is None:
+        if folder is None:  # resume_from: auto in a folder without checkpoints: a fresh start
+            self.metrics_log.reset()
+            self.eval_log.reset()
             return TrainerState()
-        state = load_checkpoint(self.accelerator, folder)
+        try:
+            state = load_checkpoint(self.accelerator, folder, self.scheduler)
+        except Exception as error:  # e.g. a pickle that weights_only=True refuses, a mismatched model
+            raise ConfigError(
+                f"resume_from: could not load checkpoint {folder} ({type(error).__name__}: "
+                f"{str(error).strip().splitlines()[0] if str(error).strip() else 'no details'}); "
+                "only resume checkpoints you trust, written by this run's model and settings"
+            ) from error
+        self._saved = (state.step, folder)
         self.metrics_log.truncate_after(state.step)
-        if state.last_eval_seconds is not None:
-            self.eval_log.truncate_after(state.step)
+        self.eval_log.truncate_after(state.step)
         return state
 
     def _checkpoint_to_resume(self, source: str) -> Path | None:
-        if source == "auto":
-            return latest_checkpoint(self.checkpoint_root)
+        """The verified checkpoint to resume from, chosen on the main process and shared with the others."""
+        acc = self.accelerator
+        choice: tuple[str | None, str | None] = (None, None)  # (folder, error)
+        if acc.is_main_process:
+            try:
+                folder = self._find_checkpoint(source)
+                choice = (str(folder) if folder else None, None)
+            except ConfigError as error:
+                choice = (None, str(error))
+        if acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            choice = tuple(broadcast_object_list(list(choice)))
+        if choice[1] is not None:
+            raise ConfigError(choice[1])
+        return Path(choice[0]) if choice[0] else None
+
+    def _find_checkpoint(self, source: str) -> Path | None:
         path = Path(source)
-        if (path / "trainer_state.json").is_file():
+        if source != "auto" and (path / STATE_FILE).is_file():
+            problem = checkpoint_problem(path)
+            if problem is not None:
+                raise ConfigError(
+                    f"resume_from: checkpoint {path} is damaged: {problem}; resume from another checkpoint "
+                    f"(resume_from: auto picks the newest intact one in {path.parent.parent})"
+                )
             return path
-        found = latest_checkpoint(path / "checkpoints")
-        if found is None:
+        root = self.checkpoint_root if source == "auto" else path / "checkpoints"
+        found = newest_intact_checkpoint(
+            root, warn=lambda text: print(f"pods: warning: {text}", file=sys.stderr)
+        )
+        if found is None and (source != "auto" or list_checkpoint_folders(root)):
             raise ConfigError(
-                f"resume_from: no complete checkpoint in {path} (expected {path}/checkpoints/step-N)"
+                f"resume_from: no intact checkpoint in {root} (expected {root}/step-N with its {STATE_FILE} "
+                "and manifest.json); choose another output_dir to start afresh"
             )
         return found
 
@@ -565,7 +659,7 @@ class PODSTrainer:
             return cfg.output_dir
         if cfg.resume_from and cfg.resume_from != "auto":
             path = Path(cfg.resume_from)
-            return str(path.parent.parent if (path / "trainer_state.json").is_file() else path)
+            return str(path.parent.parent if (path / STATE_FILE).is_file() else path)
         return str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
 
     def _load_rows(
@@ -640,5 +734,5 @@ def _peak_memory_mb() -> float:
 
 
 def train(config: TrainConfig, **kwargs: Any) -> TrainResult:
-    """Build a :class:`PODSTrainer` from ``config`` and run it."""
+    """Build a :class:`PODSTrainer` from ``config`` and run it (raises :class:`TrainingStopped` on SIGTERM/SIGINT)."""
     return PODSTrainer(config, **kwargs).train()
