@@ -257,6 +257,37 @@ def two_process_launch(model_dir: Path, output: Path, settings: dict) -> tuple[l
     return command, env
 
 
+@pytest.mark.slow
+def test_a_deepspeed_zero2_step_uses_our_batch_shape_and_clipping(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """accelerate + DeepSpeed ZeRO-2 on the CPU, with no DataLoader to prepare: the step takes its micro-batch,
+    accumulation and clip from our config (the launcher's clip of 1000 must not win over max_grad_norm)."""
+    pytest.importorskip("deepspeed")
+    settings = {"max_steps": 2, "max_grad_norm": 0.001, "micro_batch_size": 1}
+    command, env = two_process_launch(tiny_model_dir, tmp_path / "zero2", settings)
+    at = command.index("--multi_gpu")
+    command[at : at + 3] = [
+        "--use_deepspeed",
+        "--zero_stage",
+        "2",
+        "--gradient_clipping",
+        "1000",
+        "--num_processes",
+        "1",
+    ]
+    env.pop("ACCELERATE_USE_CPU")  # DeepSpeed picks its CPU accelerator itself (no GPU visible)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "distributed: DEEPSPEED" in result.stdout
+    plain = run_script(tiny_model_dir, tmp_path / "plain", settings)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    zero2 = torch.load(tmp_path / "zero2" / "weights-rank0.pt")
+    reference = torch.load(tmp_path / "plain" / "weights-rank0.pt")
+    for key, value in reference.items():
+        torch.testing.assert_close(zero2[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
 def test_two_processes_keep_identical_parameters(tiny_model_dir: Path, tmp_path: Path) -> None:
     command, env = two_process_launch(tiny_model_dir, tmp_path, {"max_steps": 2, "scale_rewards": "batch"})
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)

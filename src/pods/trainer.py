@@ -189,6 +189,7 @@ class PODSTrainer:
         trainable = [p for p in self.policy.model.parameters() if p.requires_grad]
         optimizer = self._make_optimizer(trainable)
         self.scheduler = self._make_scheduler(optimizer)
+        deepspeed_batch_settings(acc, cfg.micro_batch_size, micro_batches, cfg.max_grad_norm)
         self.model, self.optimizer = acc.prepare(self.policy.model, optimizer)
         self.reference = None
         if cfg.beta > 0 and not self.policy.is_lora:
@@ -722,6 +723,22 @@ class PODSTrainer:
         warmup = math.ceil(cfg.warmup_ratio * total) if cfg.max_steps else 0
         name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
         return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+
+
+def deepspeed_batch_settings(
+    accelerator: Any, micro_batch_size: int, micro_batches: int, max_grad_norm: float
+) -> None:
+    """Give DeepSpeed our batch shape and clip before ``prepare``: we prepare no DataLoader, so accelerate
+    cannot fill its "auto" values, and DeepSpeed clips with its own ``gradient_clipping``, not ours."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    plugin.deepspeed_config.update(
+        train_micro_batch_size_per_gpu=micro_batch_size,
+        gradient_accumulation_steps=micro_batches,
+        gradient_clipping=max_grad_norm,
+    )
+    plugin.deepspeed_config.pop("train_batch_size", None)  # DeepSpeed derives it from the two above
 
 
 def _peak_memory_mb() -> float:
