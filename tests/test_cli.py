@@ -38,6 +38,18 @@ def test_demo_prints_what_each_rule_keeps() -> None:
         assert result.stdout.count(rule) == 2
 
 
+def test_a_bug_keeps_its_traceback() -> None:
+    """Only pods' own errors become one-line messages; a ValueError from a bug propagates with its traceback."""
+    from pods.data import register_task
+
+    def broken_reader(split: str, **options) -> list[dict]:
+        return [{"question": "q", "answer": str(int("not a number"))}]
+
+    register_task("broken-reader", broken_reader)
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        main(["eval", "--model", "embedded", "--dataset", "broken-reader"])
+
+
 def test_both_spellings_of_every_option() -> None:
     from pods.cli import build_parser, load_train_config
 

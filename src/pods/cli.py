@@ -258,8 +258,13 @@ def _demo(args: argparse.Namespace, overrides: list[str]) -> int:
     """Show what each selection rule keeps from a random binary/partial-credit reward matrix."""
     import torch
 
+    from pods.config import ConfigError
     from pods.selection import available_rules, select, subset_variance
 
+    if not 1 <= args.m <= args.n or args.groups < 1:
+        raise ConfigError(
+            f"--m must be between 1 and --n, and --groups at least 1; got m={args.m}, n={args.n}, groups={args.groups}"
+        )
     generator = torch.Generator().manual_seed(args.seed)
     levels = torch.tensor([0.0, 0.1, 1.0, 1.2])
     rewards = levels[torch.randint(len(levels), (args.groups, args.n), generator=generator)]
@@ -406,15 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.handler(args, extra)
-    except (
-        ConfigError,
-        RewardFunctionError,
-        NonFiniteError,
-        CheckpointWriteError,
-        ValueError,
-        OSError,
-        ImportError,
-    ) as error:
+    # pods' own errors for input that cannot run (ConfigError: bad configuration, data, model or checkpoint)
+    # or for a run that cannot go on; anything else is a bug and keeps its traceback.
+    except (ConfigError, RewardFunctionError, NonFiniteError, CheckpointWriteError) as error:
         print(f"pods {args.command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

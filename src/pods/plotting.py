@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from pods.config import ConfigError
 from pods.metrics import read_jsonl
 
 
-class RunNotFoundError(ValueError):
+class RunNotFoundError(ConfigError):
     """A folder given to plot is not a pods run."""
 
 

@@ -516,7 +516,6 @@ class PODSTrainer:
             accelerator=self.accelerator,
         )
         state.last_eval_seconds = state.train_seconds
-        state.best_accuracy = max(state.best_accuracy or 0.0, result.accuracy)
         row = {"step": state.step, "train_seconds": round(state.train_seconds, 3), **result.to_dict()}
         row["eval_seconds"] = row.pop("seconds")
         self.eval_log.append(row)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from pods.config import ConfigError
 from pods.prompts import make_prompt, render_prompt
 
 __all__ = [
@@ -30,7 +31,7 @@ Record = tuple[str, dict[str, Any]]
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-class TaskDataError(ValueError):
+class TaskDataError(ConfigError):
     """Task data that cannot be used: a malformed row, an unknown split, an unreadable file."""
 
 
