@@ -205,6 +205,7 @@ def learning_metrics(path: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in read_jsonl(path)]
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_is_exact(tiny_model_dir: Path, tmp_path: Path) -> None:
     settings = {"max_steps": 4, "save_every_steps": 2, "selection_rule": "random", "num_iterations": 2}
     straight = run_script(tiny_model_dir, tmp_path / "straight", settings)
@@ -288,6 +289,7 @@ def test_a_deepspeed_zero2_step_uses_our_batch_shape_and_clipping(
         torch.testing.assert_close(zero2[key], value, rtol=1e-4, atol=1e-6, msg=key)
 
 
+@pytest.mark.slow
 def test_two_processes_keep_identical_parameters(tiny_model_dir: Path, tmp_path: Path) -> None:
     command, env = two_process_launch(tiny_model_dir, tmp_path, {"max_steps": 2, "scale_rewards": "batch"})
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)

@@ -41,10 +41,10 @@ def load_train_config(config: str | None, overrides: list[str]):
 
 # ---------------------------------------------------------------------------------------------- train
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    config = load_train_config(args.config, overrides)  # first: a bad key fails before torch is imported
     from pods.plotting import plot_runs
     from pods.trainer import TrainingStopped, train
 
-    config = load_train_config(args.config, overrides)
     _quiet_libraries()
     try:
         result = train(config)
