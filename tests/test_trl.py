@@ -250,11 +250,14 @@ def test_unscorable_completions_follow_trls_rule(tiny_model_dir, prompts, tmp_pa
     assert trainer._metrics["train"]["reward"] == [pytest.approx(rewards.nanmean().item())]
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_old_and_reference_logprobs_are_computed_on_the_kept_rows_only(
-    tiny_model_dir, prompts, tmp_path
+    tiny_model_dir, prompts, tmp_path, lora: bool
 ) -> None:
     """TRL computes them for all n before rewards exist; PODS computes them after selection, for the m kept,
-    with the same values TRL's computation over all n gives those rows."""
+    with the same values TRL's computation over all n gives those rows (LoRA: reference = adapter disabled)."""
+    from peft import LoraConfig
+
     args = tiny_args(
         PODSConfig,
         tmp_path,
@@ -263,7 +266,10 @@ def test_old_and_reference_logprobs_are_computed_on_the_kept_rows_only(
         num_iterations=2,  # generation every 4 micro-steps, accumulation over 2: TRL needs old log-probs
         beta=0.04,
     )
-    trainer = PODSTrainer(str(tiny_model_dir), token_sum_reward, args, prompts)
+    peft_config = (
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False) if lora else None
+    )
+    trainer = PODSTrainer(str(tiny_model_dir), token_sum_reward, args, prompts, peft_config=peft_config)
     rows_seen = []
     compute = trainer._get_per_token_logps_and_entropies
 
@@ -288,6 +294,10 @@ def test_old_and_reference_logprobs_are_computed_on_the_kept_rows_only(
     mask = kept_only["completion_mask"].bool()
     for key in ("old_per_token_logps", "ref_per_token_logps"):
         torch.testing.assert_close(kept_only[key][mask], all_rows[key][mask], rtol=1e-5, atol=1e-6)
+    if lora:  # a random adapter: the reference (adapter disabled) differs from the policy
+        assert not torch.allclose(
+            kept_only["old_per_token_logps"][mask], kept_only["ref_per_token_logps"][mask]
+        )
 
 
 @pytest.mark.parametrize("rule", ["max_variance", "max_reward", "random", "test_lowest"])
