@@ -177,9 +177,9 @@ def finish_rows(
     import datasets
 
     if limit is not None and limit < 0:
-        raise ValueError(f"limit must be a non-negative number of rows or None, got {limit}.")
+        raise TaskDataError(f"limit must be a non-negative number of rows or None, got {limit}.")
     if max_prompt_tokens is not None and tokenizer is None:
-        raise ValueError("max_prompt_tokens needs a tokenizer to count prompt tokens; pass tokenizer=...")
+        raise TaskDataError("max_prompt_tokens needs a tokenizer to count prompt tokens; pass tokenizer=...")
     if shuffle:
         rows = list(rows)
         random.Random(seed).shuffle(rows)
