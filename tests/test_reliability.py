@@ -42,17 +42,20 @@ def start_script(
     """tiny_run.py as a background process (stdout and stderr to files in ``output``'s parent)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     log = output.parent / f"{output.name}-{time.monotonic_ns()}"
-    return subprocess.Popen(
+    handles = open(f"{log}.out", "w"), open(f"{log}.err", "w")  # noqa: SIM115 - closed in finish()
+    process = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(model_dir), str(output), json.dumps(settings)],
-        stdout=open(f"{log}.out", "w"),  # closed in finish()
-        stderr=open(f"{log}.err", "w"),
+        stdout=handles[0],
+        stderr=handles[1],
         env={**os.environ, **(env or {})},
         **popen,
     )
+    process.logs = handles
+    return process
 
 
 def outputs(process: subprocess.Popen) -> tuple[str, str]:
-    return Path(process.stdout.name).read_text(), Path(process.stderr.name).read_text()
+    return tuple(Path(handle.name).read_text() for handle in process.logs)
 
 
 def wait_for_step(process: subprocess.Popen, metrics: Path, step: int, timeout: float = 120) -> None:
@@ -68,8 +71,8 @@ def wait_for_step(process: subprocess.Popen, metrics: Path, step: int, timeout: 
 
 def finish(process: subprocess.Popen, timeout: float = 120) -> int:
     code = process.wait(timeout=timeout)
-    process.stdout.close()
-    process.stderr.close()
+    for handle in process.logs:
+        handle.close()
     return code
 
 
@@ -104,6 +107,20 @@ def trainer_for(model_dir: Path, output: Path, reward=count_of_a, **overrides) -
     )
 
 
+CLI_ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+
+
+def pods_train(model_dir: Path, output: Path, **options) -> list[str]:
+    """A `pods train` command line for a few-second run of the tiny model on the arithmetic task."""
+    settings = {
+        "model": model_dir, "max_time": "null", "eval_at_start": "false", "eval_every_seconds": "null",
+        "save_every_seconds": "null", "progress": "false", "prompts_per_step": 2, "num_generations": 4,
+        "num_generations_kept": 2, "micro_batch_size": 4, "max_completion_length": 8, "output_dir": output,
+        **options,
+    }  # fmt: skip
+    return [sys.executable, "-m", "pods", "train", *(f"--{k}={v}" for k, v in settings.items())]
+
+
 # ------------------------------------------------------------------------------------------ graceful stop
 
 
@@ -113,19 +130,12 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_printed_command_
 ) -> None:
     """`pods train` itself: SIGTERM mid-run saves the last completed step, prints the resume command, exits 143."""
     output = tmp_path / "run"
-    options = [
-        "--model", str(tiny_model_dir), "--max_steps", "40", "--max_time", "null", "--eval_at_start", "false",
-        "--eval_every_seconds", "null", "--save_every_seconds", "null", "--progress", "false",
-        "--prompts_per_step", "2", "--num_generations", "4", "--num_generations_kept", "2",
-        "--micro_batch_size", "4", "--max_completion_length", "8", "--output_dir", str(output),
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     process = subprocess.Popen(
-        [sys.executable, "-m", "pods", "train", *options],
+        pods_train(tiny_model_dir, output, max_steps=12),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env=CLI_ENV,
     )
     try:
         wait_for_step(process, output / "metrics.jsonl", 2)
@@ -136,7 +146,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_printed_command_
     assert process.returncode == 128 + signal.SIGTERM, stderr
     assert "Traceback" not in stderr
     stopped_at = read_jsonl(output / "metrics.jsonl")[-1]["step"]
-    assert 2 <= stopped_at < 40
+    assert 2 <= stopped_at < 12
     assert [checkpoint_step(p) for p in list_checkpoints(output / "checkpoints")] == [stopped_at]
     assert checkpoint_problem(list_checkpoints(output / "checkpoints")[-1]) is None
     assert f"stopped by SIGTERM after step {stopped_at}" in stderr
@@ -148,10 +158,10 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_printed_command_
         "auto",
     ]
     resumed = subprocess.run(
-        [sys.executable, "-m", "pods", *command[1:]], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-m", "pods", *command[1:]], capture_output=True, text=True, timeout=300, env=CLI_ENV
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert [row["step"] for row in read_jsonl(output / "metrics.jsonl")] == list(range(1, 41))
+    assert [row["step"] for row in read_jsonl(output / "metrics.jsonl")] == list(range(1, 13))
 
 
 @pytest.mark.slow
@@ -168,6 +178,7 @@ def test_a_second_sigint_aborts_at_once(tiny_model_dir: Path, tmp_path: Path) ->
     process.send_signal(signal.SIGINT)
     time.sleep(1.5)  # longer than a launcher's forwarded copy of the same Ctrl-C
     assert process.poll() is None, "the first SIGINT did not wait for the step in flight"
+    process.send_signal(signal.SIGINT)
     sent = time.monotonic()
     code = finish(process, timeout=60)
     assert time.monotonic() - sent < 10, "the second SIGINT did not abort at once"
@@ -218,13 +229,13 @@ def test_fault_injection_sigkill_sigterm_and_a_damaged_checkpoint_resume_exactly
     """Seeded random stops (SIGKILL, SIGTERM, SIGKILL then the newest checkpoint damaged, SIGTERM), each followed
     by --resume_from auto: the end weights and every step's rewards equal an uninterrupted run's."""
     steps = 20
-    settings = {"max_steps": steps, "save_every_steps": 1, "save_total_limit": 2, "selection_rule": "random"}
-    straight = run_script(tiny_model_dir, tmp_path / "straight", settings)
-    assert straight.returncode == 0, straight.stderr
+    settings = {"max_steps": steps, "save_every_steps": 1, "selection_rule": "random", "torch_threads": 1}
+    straight = trainer_for(tiny_model_dir, tmp_path / "straight", **settings)  # in-process: same threads
+    straight.train()
 
     rng = random.Random(11)
     output, metrics = tmp_path / "interrupted", tmp_path / "interrupted" / "metrics.jsonl"
-    highest, resume = 0, {}
+    highest, resume, damaged = 0, {}, None
     for event in ("SIGKILL", "SIGTERM", "SIGKILL+damage", "SIGTERM"):
         process = start_script(tiny_model_dir, output, {**settings, **resume})
         wait_for_step(process, metrics, highest + rng.randint(1, 2))
@@ -232,34 +243,26 @@ def test_fault_injection_sigkill_sigterm_and_a_damaged_checkpoint_resume_exactly
         process.send_signal(signal.SIGKILL if event.startswith("SIGKILL") else signal.SIGTERM)
         code = finish(process)
         stdout, stderr = outputs(process)
+        if damaged is not None:  # this run started after the newest checkpoint was damaged
+            assert f"skipping checkpoint {damaged}" in stderr and "model.safetensors has" in stderr, stderr
         highest = max(row["step"] for row in read_jsonl(metrics))
         assert highest < steps, "the run ended before the signal: lower the stop points"
+        newest = list_checkpoints(output / "checkpoints")[-1]
         if event == "SIGTERM":
             assert code == 128 + signal.SIGTERM, stderr
-            assert (
-                int(stopped_line(stdout)[3])
-                == highest
-                == checkpoint_step(list_checkpoints(output / "checkpoints")[-1])
-            )
+            assert int(stopped_line(stdout)[3]) == highest == checkpoint_step(newest)
         else:
             assert code == -signal.SIGKILL
-        if event.endswith("damage"):
-            newest = list_checkpoints(output / "checkpoints")[-1]
+        damaged = newest if event.endswith("damage") else None
+        if damaged:
             damage(newest / "model.safetensors", "truncate")
         resume = {"resume_from": "auto"}
-        if event.endswith("damage"):
-            check = start_script(tiny_model_dir, output, {**settings, **resume})
-            wait_for_step(check, metrics, highest + 1)
-            check.send_signal(signal.SIGTERM)
-            finish(check)
-            _, warned = outputs(check)
-            assert f"skipping checkpoint {newest}" in warned and "model.safetensors has" in warned, warned
-            highest = max(row["step"] for row in read_jsonl(metrics))
 
     final = run_script(tiny_model_dir, output, {**settings, **resume})
     assert final.returncode == 0, final.stderr
+    model = straight.accelerator.unwrap_model(straight.model)
     assert_same_weights(
-        weights(tmp_path / "straight" / "weights-rank0.pt"), weights(output / "weights-rank0.pt")
+        {k: v.detach() for k, v in model.state_dict().items()}, weights(output / "weights-rank0.pt")
     )
     straight_rows, resumed_rows = (
         learning_metrics(tmp_path / "straight" / "metrics.jsonl"),
@@ -387,10 +390,10 @@ def test_resume_never_unpickles_code(tiny_model_dir: Path, tmp_path: Path) -> No
 def test_a_checkpoint_write_that_fails_leaves_earlier_ones_intact(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """A real EFBIG (file-size limit of the process, which binds root too) while writing step 3's checkpoint."""
+    """A real EFBIG (a file-size limit on the process, which binds root too) while `pods train` writes step 3's
+    checkpoint: a one-line error, the earlier checkpoints intact, and the run continues once writes work."""
     output = tmp_path / "run"
-    first = run_script(tiny_model_dir, output, {"max_steps": 2, "save_every_steps": 1})
-    assert first.returncode == 0, first.stderr
+    trainer_for(tiny_model_dir, output, max_steps=2, save_every_steps=1).train()
     before = list_checkpoints(output / "checkpoints")
     limit = 64 * 1024  # metrics rows and JSON files fit; model.safetensors (~115 KB) does not
 
@@ -398,26 +401,31 @@ def test_a_checkpoint_write_that_fails_leaves_earlier_ones_intact(
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, not a kill
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    process = start_script(
-        tiny_model_dir,
-        output,
-        {"max_steps": 4, "save_every_steps": 1, "resume_from": "auto"},
+    failed = subprocess.run(
+        pods_train(tiny_model_dir, output, max_steps=4, save_every_steps=1, resume_from="auto"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=CLI_ENV,
         preexec_fn=small_files,
     )
-    code = finish(process)
-    _, stderr = outputs(process)
-    assert code != 0
-    assert "CheckpointWriteError: could not write checkpoint" in stderr and "step-0000003" in stderr, stderr[
-        -3000:
-    ]
-    assert "Earlier checkpoints are intact (latest: " in stderr
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr
+    assert (
+        f"pods train: error: could not write checkpoint {output / 'checkpoints' / 'step-0000003'}"
+        in failed.stderr
+    )
+    assert (
+        "File too large" in failed.stderr
+        and f"Earlier checkpoints are intact (latest: {before[-1]})" in failed.stderr
+    )
     assert list_checkpoints(output / "checkpoints") == before
     assert all(checkpoint_problem(p) is None for p in before)
     assert not list((output / "checkpoints").glob(".partial-*"))
-    resumed = run_script(
-        tiny_model_dir, output, {"max_steps": 4, "save_every_steps": 1, "resume_from": "auto"}
+    assert (
+        trainer_for(tiny_model_dir, output, max_steps=4, save_every_steps=1, resume_from="auto").train().steps
+        == 4
     )
-    assert resumed.returncode == 0, resumed.stderr
     assert [row["step"] for row in read_jsonl(output / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
