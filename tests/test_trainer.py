@@ -80,16 +80,20 @@ def test_a_few_real_steps(tiny_model_dir: Path, tmp_path: Path, overrides: dict)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2]
     for key in (
-        "reward_mean_all",
-        "reward_mean_kept",
-        "zero_variance_fraction_all",
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "pods/reward_kept",
+        "rewards/count_of_a/mean",
+        "completions/mean_length",
+        "clip_ratio/region_mean",
         "grad_norm",
         "kl",
         "loss",
     ):
         assert key in rows[-1] and rows[-1][key] is not None
     if overrides.get("selection_rule", "max_variance") == "max_variance":
-        assert all(row["reward_std_kept"] >= row["reward_std_all"] - 1e-9 for row in rows)
+        assert all(row["pods/group_reward_std_kept"] >= row["pods/group_reward_std"] - 1e-9 for row in rows)
     if overrides.get("beta"):
         assert rows[-1]["kl"] > 0
     assert (tmp_path / "config.yaml").is_file()
@@ -112,7 +116,7 @@ def test_mean_reward_rises(tiny_model_dir: Path, tmp_path: Path) -> None:
         save_final=False,
     )
     PODSTrainer(config, reward_funcs=[low_token_ids], train_dataset=tiny_dataset()).train()
-    rewards = [row["reward_mean_all"] for row in read_jsonl(tmp_path / "metrics.jsonl")]
+    rewards = [row["reward"] for row in read_jsonl(tmp_path / "metrics.jsonl")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.2, rewards
 

@@ -97,28 +97,25 @@ def resume_command(config: str | None, overrides: list[str], output_dir: Path) -
 
 # ---------------------------------------------------------------------------------------------- eval
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    from pods.data import load_task
+    from pods.data import get_task
     from pods.evaluation import evaluate
     from pods.models import load_tokenizer
-    from pods.rewards import REWARD_FUNCTIONS
-    from pods.trainer import ACCURACY_REWARDS
 
-    if overrides:
-        raise SystemExit(f"pods eval: error: unrecognized arguments: {' '.join(overrides)}")
     _quiet_libraries()
     model_dir = find_model_folder(args.model)
     model = load_model_for_eval(model_dir)
     tokenizer = load_tokenizer(model_dir)
+    task = get_task(args.dataset)
     style = args.prompt_style or (
-        "plain" if args.dataset == "arith" or not tokenizer.chat_template else "chat"
+        "plain" if task.prompt_style == "chat" and not tokenizer.chat_template else task.prompt_style
     )
-    max_new_tokens = args.max_new_tokens or (32 if args.dataset == "arith" else 512)
-    dataset = load_task(args.dataset, args.split, source=args.source, prompt_style=style, limit=args.limit)
+    max_new_tokens = args.max_new_tokens or task.max_new_tokens
+    dataset = task.load(args.split, source=args.source, prompt_style=style, limit=args.limit)
     result = evaluate(
         model,
         tokenizer,
         dataset,
-        REWARD_FUNCTIONS[ACCURACY_REWARDS.get(args.dataset, "accuracy")],
+        task.accuracy_function(),
         protocol=args.protocol,
         samples=args.samples,
         temperature=args.temperature,
@@ -204,8 +201,15 @@ def _first_line(error: BaseException) -> str:
 def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
     from datetime import datetime
 
-    from pods.compare import run_comparison
+    from pods.compare import ARM_KEYS, run_comparison
+    from pods.config import ConfigError, parse_overrides
 
+    for key in parse_overrides(overrides):
+        if key in ARM_KEYS:
+            hint = {"seed": "use --seeds 0,1,...", "output_dir": "use --output FOLDER"}.get(
+                key, "choose --arms"
+            )
+            raise ConfigError(f"--{key} is set per arm by pods compare, so it cannot be overridden; {hint}")
     config_name = args.config or "compare-embedded"
     config = load_train_config(config_name, overrides)
     _quiet_libraries()
@@ -244,8 +248,6 @@ def _format_speedup(value: dict) -> str:
 def _plot(args: argparse.Namespace, overrides: list[str]) -> int:
     from pods.plotting import plot_runs
 
-    if overrides:
-        raise SystemExit(f"pods plot: error: unrecognized arguments: {' '.join(overrides)}")
     output = Path(args.output) if args.output else Path(args.runs[0]) / "training.png"
     print(f"wrote {plot_runs(args.runs, output)}")
     return 0
@@ -282,7 +284,8 @@ def _config_keys_epilog() -> str:
 
     fields = [f"{f.name}={_default_of(f)}" for f in dataclasses.fields(TrainConfig)]
     return (
-        "Any configuration key can be set as --key value (or key=value), after --config.\n"
+        "Any configuration key can be set as --key value (or key=value), after --config; --max_time and\n"
+        "--max-time are the same option (so for every key and every option of every command).\n"
         f"Presets (--config NAME): {', '.join(preset_names())}.\nKeys and defaults: "
         + ", ".join(fields)
         + "\n"
@@ -296,6 +299,13 @@ def _default_of(field: dataclasses.Field) -> str:
     return str(field.default)
 
 
+def _option(parser: argparse.ArgumentParser, name: str, *more: str, **kwargs) -> None:
+    """Add ``--name`` under both spellings, ``--max_new_tokens`` and ``--max-new-tokens``, as for
+    configuration keys (the docs write underscores)."""
+    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    parser.add_argument(*spellings, *more, dest=name, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pods",
@@ -306,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train",
+        allow_abbrev=False,
         help="RL fine-tuning with PODS (default: the embedded arithmetic demo on a CPU, ~5 minutes)",
         description="Train with GRPO + PODS. With no arguments: the embedded CPU demo (configs/embedded.yaml).",
         epilog=_config_keys_epilog(),
@@ -314,7 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="a preset name or a YAML file (default: the built-in defaults)")
     train.set_defaults(handler=_train)
 
-    evaluate = commands.add_parser("eval", help="accuracy of a model or checkpoint on a test set")
+    evaluate = commands.add_parser(
+        "eval", allow_abbrev=False, help="accuracy of a model or checkpoint on a test set"
+    )
     evaluate.add_argument(
         "--model", required=True, help="model folder, hub name, 'embedded', checkpoint or run folder"
     )
@@ -332,37 +345,44 @@ def build_parser() -> argparse.ArgumentParser:
         "--temperature", type=float, default=0.9, help="for --protocol sampled (default: 0.9)"
     )
     evaluate.add_argument("--limit", type=int, help="evaluate on the first N problems only")
-    evaluate.add_argument("--max-new-tokens", type=int, help="default: 32 for arith, 512 otherwise")
-    evaluate.add_argument("--batch-size", type=int, default=64, help="completions generated at once")
-    evaluate.add_argument(
-        "--prompt-style",
-        choices=("chat", "plain"),
-        help="default: chat when the tokenizer has a chat template",
+    _option(evaluate, "max_new_tokens", type=int, help="default: the task's (32 for arith, 512 otherwise)")
+    _option(evaluate, "batch_size", type=int, default=64, help="completions generated at once")
+    _option(
+        evaluate,
+        "prompt_style",
+        choices=("chat", "plain", "raw"),
+        help="default: the task's (plain for arith; chat when the tokenizer has a chat template)",
     )
     evaluate.add_argument("--output", help="JSON report path (default: eval-DATASET-PROTOCOL.json)")
     evaluate.set_defaults(handler=_eval)
 
     compare = commands.add_parser(
         "compare",
+        allow_abbrev=False,
         help="GRPO vs PODS side by side under the same wall-clock budget; plot and speed-up",
         description="Run GRPO (n = m) and PODS (n = 4m) with the same seeds and training-time budget, "
         "evaluating periodically (evaluation excluded from the clock); report the paper's speed-up metric.",
-        epilog="Any configuration key can be overridden as --key value, as for pods train.",
+        epilog="Any configuration key can be overridden as --key value, as for pods train, except those set per "
+        "arm (num_generations, selection_rule, seed, output_dir, resume_from, eval_at_start).",
     )
     compare.add_argument("--config", help="a preset name or YAML file (default: compare-embedded)")
     compare.add_argument("--arms", default="grpo,pods", help="comma-separated: grpo,pods,random,max_reward")
     compare.add_argument("--seeds", default="0,1", help="comma-separated seeds (default: 0,1)")
-    compare.add_argument("--output", help="output folder (default: runs/compare-<time>)")
+    _option(
+        compare, "output", "--output_dir", "--output-dir", help="output folder (default: runs/compare-<time>)"
+    )
     compare.set_defaults(handler=_compare)
 
     plot = commands.add_parser(
-        "plot", help="redraw accuracy and reward against time and steps from saved runs"
+        "plot", allow_abbrev=False, help="redraw accuracy and reward against time and steps from saved runs"
     )
     plot.add_argument("runs", nargs="+", help="run folders written by pods train")
     plot.add_argument("--output", help="PNG path (default: FIRST_RUN/training.png)")
     plot.set_defaults(handler=_plot)
 
-    demo = commands.add_parser("demo", help="show what each down-sampling rule keeps from random rewards")
+    demo = commands.add_parser(
+        "demo", allow_abbrev=False, help="show what each down-sampling rule keeps from random rewards"
+    )
     demo.add_argument("--groups", type=int, default=3, help="number of groups (prompts) (default: 3)")
     demo.add_argument("--n", type=int, default=8, help="rollouts per group (default: 8)")
     demo.add_argument("--m", type=int, default=4, help="rollouts kept per group (default: 4)")

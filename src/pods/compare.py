@@ -19,6 +19,8 @@ from pods.config import ConfigError, TrainConfig
 from pods.plotting import mean_curve, plot_comparison
 
 ARMS = ("grpo", "pods", "random", "max_reward")
+# Configuration keys that arm_config sets for each arm: an override of them would be silently ignored.
+ARM_KEYS = ("num_generations", "selection_rule", "seed", "output_dir", "resume_from", "eval_at_start")
 
 
 @dataclass

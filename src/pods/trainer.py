@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pods.advantages import group_advantages, zero_variance_groups
+from pods.advantages import downsample, nanstd
 from pods.checkpoint import (
     STATE_FILE,
     TrainerState,
@@ -41,19 +41,11 @@ from pods.config import ConfigError, TrainConfig
 from pods.evaluation import EvalResult, evaluate
 from pods.interrupts import StopRequests, TrainingStopped
 from pods.loss import completion_logprobs, policy_loss
-from pods.metrics import JsonlLog, read_jsonl
+from pods.metrics import JsonlLog, read_jsonl, reward_metrics
 from pods.models import Policy, load_policy, load_reference
 from pods.progress import TrainingProgress
 from pods.rollout import HFGenerateEngine, Rollouts, SamplingParams
 from pods.scoring import RewardFunction, reward_name, score_completions
-from pods.selection import select
-
-ACCURACY_REWARDS = {
-    "gsm8k": "accuracy",
-    "arith": "accuracy",
-    "math500": "math_accuracy",
-    "math": "math_accuracy",
-}
 
 
 class NonFiniteError(RuntimeError):
@@ -138,17 +130,22 @@ class PODSTrainer:
         from accelerate import Accelerator, PartialState
         from accelerate.utils import broadcast_object_list, parse_flag_from_env
 
+        from pods.data import get_task
+
         self.config = cfg = config
         if reward_funcs is None:
             cfg.check_names()
             from pods.rewards import get_reward_functions
 
-            reward_funcs = get_reward_functions(cfg.reward_funcs)
+            self.task = get_task(cfg.task)
+            reward_funcs = get_reward_functions(cfg.reward_funcs or list(self.task.reward_funcs))
         else:
             from pods.selection import get_rule
 
             get_rule(cfg.selection_rule)
+            self.task = get_task(cfg.task)
         self.reward_funcs = reward_funcs
+        self.prompt_style = cfg.prompt_style or self.task.prompt_style
         if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_funcs):
             raise ConfigError(
                 f"reward_weights: {len(cfg.reward_weights)} weights for {len(reward_funcs)} functions"
@@ -187,7 +184,7 @@ class PODSTrainer:
             train_dataset, cfg.task, cfg.task_source, cfg.train_split, cfg.train_limit
         )
         self.eval_dataset = eval_dataset if eval_dataset is not None else self._load_eval_dataset()
-        self.accuracy_fn = self._accuracy_function()
+        self.accuracy_fn = get_task(cfg.eval_task or cfg.task).accuracy_function()
 
         trainable = [p for p in self.policy.model.parameters() if p.requires_grad]
         optimizer = self._make_optimizer(trainable)
@@ -236,20 +233,23 @@ class PODSTrainer:
                 with timer("score"):  # 2. one scalar reward per completion: [P, n]
                     rewards, per_function = self._score(batch, rollouts)
                 with timer("select"):  # 3. m of n per group, and 4. advantages over the kept
-                    kept = select(
-                        rewards, m, cfg.selection_rule, generator=self._selection_generator(state.step)
+                    chosen = downsample(
+                        rewards,
+                        m,
+                        cfg.selection_rule,
+                        scale=cfg.scale_rewards,
+                        eps=cfg.advantage_eps,
+                        generator=self._selection_generator(state.step),
+                        gather=self._gather,
                     )
-                    kept_rewards = rewards.gather(1, kept)
-                    advantages = group_advantages(kept_rewards, cfg.scale_rewards, cfg.advantage_eps)
-                    rows = (kept + n * torch.arange(len(batch)).unsqueeze(1)).flatten()
-                    kept_rollouts = rollouts.select(rows)
+                    kept_rollouts = rollouts.select(chosen.rows)
                 with timer("update"):  # 5. the GRPO update on the kept rows only
-                    update = self._update(state, kept_rollouts, advantages.flatten())
+                    update = self._update(state, kept_rollouts, chosen.advantages.flatten())
 
                 state.step += 1
                 state.train_seconds += self._synced(timer.total)
                 metrics = self._step_metrics(
-                    state, timer, rollouts, rewards, kept_rewards, per_function, update
+                    state, timer, rollouts, rewards, chosen.rewards, per_function, update
                 )
                 self.metrics_log.append(metrics)
                 if cfg.report_to:
@@ -313,7 +313,7 @@ class PODSTrainer:
         advantages = advantages.to(device=device, dtype=torch.float32)
         rows, micro = completion_ids.shape[0], cfg.micro_batch_size
         temperature = cfg.temperature if cfg.temperature > 0 else 1.0
-        # dapo/bnpo divide by the tokens of the whole batch across processes; DDP averages gradients.
+        # dapo divides by the tokens of the whole batch across processes; DDP averages gradients.
         total_tokens = self._synced_sum(mask.sum().double()) / acc.num_processes
 
         def logprobs_of(net: torch.nn.Module, part: slice) -> torch.Tensor:
@@ -336,7 +336,13 @@ class PODSTrainer:
                 ref_logprobs = torch.cat([logprobs_of(reference, part) for part in parts])
 
         model.train()
-        totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+        statistics = {
+            "kl": "kl",
+            "clip_ratio/low_mean": "clip_low_fraction",
+            "clip_ratio/high_mean": "clip_high_fraction",
+            "clip_ratio/region_mean": "clip_fraction",
+        }
+        totals = {"loss": 0.0, **dict.fromkeys(statistics, 0.0)}
         grad_norms, finite = [], True
         for _ in range(cfg.num_iterations):
             for part in parts:
@@ -370,8 +376,8 @@ class PODSTrainer:
                     self.optimizer.zero_grad(set_to_none=True)  # accelerate clears only after a sync
                 weight = 1 / (len(parts) * cfg.num_iterations)
                 totals["loss"] += out.loss.item() / cfg.num_iterations
-                totals["kl"] += out.kl.item() * weight
-                totals["clip_fraction"] += out.clip_fraction.item() * weight
+                for name, attribute in statistics.items():
+                    totals[name] += getattr(out, attribute).item() * weight
         return {**totals, "grad_norm": sum(grad_norms) / len(grad_norms)}
 
     def _step_is_finite(self, state: TrainerState, finite: bool) -> bool:
@@ -425,20 +431,23 @@ class PODSTrainer:
             "step": state.step,
             "epoch": round(self.prompts.epoch(state.step), 4),
             "train_seconds": round(state.train_seconds, 3),
-            "reward_mean_all": all_rewards.mean().item(),
-            "reward_std_all": all_rewards.std(dim=1).mean().item() if all_rewards.shape[1] > 1 else 0.0,
-            "reward_mean_kept": kept.mean().item(),
-            "reward_std_kept": kept.std(dim=1).mean().item(),
-            "zero_variance_fraction_all": zero_variance_groups(all_rewards).double().mean().item(),
-            "zero_variance_fraction_kept": zero_variance_groups(kept).double().mean().item(),
-            "completion_length_mean": lengths.mean().item(),
-            "truncation_rate": truncated.mean().item(),
-            "learning_rate": self.scheduler.get_last_lr()[0],
+            **reward_metrics(all_rewards, kept),
             "skipped_steps": state.skipped_steps,
-            **{key: self._synced_mean(value) for key, value in update.items()},
         }
         for name, values in per_function.items():
-            metrics[f"reward/{name}"] = gather(torch.nan_to_num(values)).mean().item()
+            values = gather(values)
+            metrics[f"rewards/{name}/mean"] = values.nanmean().item()
+            metrics[f"rewards/{name}/std"] = nanstd(values.reshape(1, -1), dim=1).item()
+        metrics.update(
+            {
+                "completions/mean_length": lengths.mean().item(),
+                "completions/min_length": lengths.min().item(),
+                "completions/max_length": lengths.max().item(),
+                "completions/clipped_ratio": truncated.mean().item(),
+                "learning_rate": self.scheduler.get_last_lr()[0],
+                **{key: self._synced_mean(value) for key, value in update.items()},
+            }
+        )
         accuracy_name = reward_name(self.accuracy_fn)
         if accuracy_name in per_function:
             metrics["accuracy"] = (
@@ -450,6 +459,12 @@ class PODSTrainer:
         metrics["tokens_per_second"] = round(lengths.sum().item() / max(step_seconds, 1e-9), 1)
         metrics["peak_memory_mb"] = round(_peak_memory_mb(), 1)
         return metrics
+
+    def _gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Every process's ``values`` (equal shapes), concatenated along the first dimension."""
+        if self.accelerator.num_processes == 1:
+            return values
+        return self.accelerator.gather(values.to(self.accelerator.device)).to(values.device)
 
     def _synced(self, seconds: float) -> float:
         """The slowest process's value, so every process takes the same clock-based decisions."""
@@ -485,7 +500,7 @@ class PODSTrainer:
             temperature=cfg.eval_temperature,
             max_new_tokens=cfg.max_completion_length,
             batch_size=cfg.eval_batch_size,
-            prompt_style=cfg.prompt_style,
+            prompt_style=self.prompt_style,
             stop_strings=tuple(cfg.stop_strings),
             accelerator=self.accelerator,
         )
@@ -647,7 +662,7 @@ class PODSTrainer:
                 task,
                 split,
                 source=source,
-                prompt_style=self.config.prompt_style,
+                prompt_style=self.prompt_style,
                 tokenizer=self.tokenizer,
                 max_prompt_tokens=self.config.max_prompt_length,
                 limit=limit,
@@ -665,18 +680,12 @@ class PODSTrainer:
             cfg.eval_task or cfg.task,
             cfg.eval_split,
             source=cfg.eval_source if cfg.eval_task else (cfg.eval_source or cfg.task_source),
-            prompt_style=cfg.prompt_style,
+            prompt_style=self.prompt_style,
             tokenizer=self.tokenizer,
             max_prompt_tokens=cfg.max_prompt_length,
             limit=cfg.eval_limit,
             seed=cfg.seed,
         )
-
-    def _accuracy_function(self) -> RewardFunction:
-        from pods.rewards import REWARD_FUNCTIONS
-
-        task = self.config.eval_task or self.config.task
-        return REWARD_FUNCTIONS[ACCURACY_REWARDS.get(task, "accuracy")]
 
     def _make_optimizer(self, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         cfg = self.config
