@@ -131,7 +131,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_printed_command_
     """`pods train` itself: SIGTERM mid-run saves the last completed step, prints the resume command, exits 143."""
     output = tmp_path / "run"
     process = subprocess.Popen(
-        pods_train(tiny_model_dir, output, max_steps=12),
+        pods_train(tiny_model_dir, output, max_steps=12, report_to="tensorboard"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -150,6 +150,10 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_printed_command_
     assert [checkpoint_step(p) for p in list_checkpoints(output / "checkpoints")] == [stopped_at]
     assert checkpoint_problem(list_checkpoints(output / "checkpoints")[-1]) is None
     assert f"stopped by SIGTERM after step {stopped_at}" in stderr
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(output / "pods")).Reload()  # the tracker was flushed and closed
+    assert [event.step for event in events.Scalars("reward")] == list(range(1, stopped_at + 1))
     command = shlex.split(stderr.split("Continue this run with:")[1].strip().splitlines()[0])
     assert command[:2] == ["pods", "train"] and command[-4:] == [
         "--output_dir",
@@ -189,34 +193,55 @@ def test_a_second_sigint_aborts_at_once(tiny_model_dir: Path, tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_a_signal_on_one_rank_stops_both_ranks_at_the_same_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """2 processes under `accelerate launch`: SIGTERM to rank 1 alone stops both at one step with one checkpoint;
+    then, resumed, a terminal's Ctrl-C (SIGINT to the launcher and both workers, which the launcher forwards
+    again) is one graceful stop, not a second press."""
     import psutil
 
-    command, env = two_process_launch(tiny_model_dir, tmp_path, {"max_steps": 200, "save_every_steps": None})
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        wait_for_step(launcher, tmp_path / "metrics.jsonl", 2)
-        workers = [
-            p
-            for p in psutil.Process(launcher.pid).children(recursive=True)
-            if "tiny_run" in " ".join(p.cmdline())
-        ]
-        rank1 = [p for p in workers if p.environ().get("RANK") == "1"]
+    def launch_and_stop(settings: dict, stop) -> tuple[int, list[list[str]], str]:
+        command, env = two_process_launch(tiny_model_dir, tmp_path, settings)
+        launcher = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            wait_for_step(launcher, tmp_path / "metrics.jsonl", highest + 2)
+            stop(launcher)
+            stdout, stderr = launcher.communicate(timeout=120)
+        finally:
+            launcher.kill()
+        lines = sorted(line.split(" ", 4) for line in stdout.splitlines() if line.startswith("STOPPED "))
+        assert [line[1] for line in lines] == ["0", "1"], stderr[-3000:]
+        assert lines[0][2:4] == lines[1][2:4], lines  # same signal, same step
+        step = int(lines[0][3])
+        assert highest + 2 <= step < 200
+        assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["step"] == step
+        checkpoint = list_checkpoints(tmp_path / "checkpoints")[-1]
+        assert checkpoint_step(checkpoint) == step and checkpoint_problem(checkpoint) is None
+        assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
+        assert_same_weights(weights(tmp_path / "weights-rank0.pt"), weights(tmp_path / "weights-rank1.pt"))
+        return launcher.returncode, lines, stderr
+
+    def sigterm_to_rank_1(launcher: subprocess.Popen) -> None:
+        workers = psutil.Process(launcher.pid).children(recursive=True)
+        rank1 = [p for p in workers if "tiny_run" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1"]
         assert len(rank1) == 1, [p.cmdline() for p in workers]
         rank1[0].send_signal(signal.SIGTERM)  # only rank 1 hears it
-        stdout, stderr = launcher.communicate(timeout=120)
-    finally:
-        launcher.kill()
-    lines = sorted(line.split(" ", 4) for line in stdout.splitlines() if line.startswith("STOPPED "))
-    assert [line[1] for line in lines] == ["0", "1"], stderr[-3000:]
-    assert lines[0][2:4] == lines[1][2:4] and lines[0][2] == "SIGTERM"
-    step = int(lines[0][3])
-    assert 2 <= step < 200
-    assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["step"] == step
-    checkpoints = list_checkpoints(tmp_path / "checkpoints")
-    assert [checkpoint_step(p) for p in checkpoints] == [step]
-    assert checkpoint_problem(checkpoints[0]) is None
-    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoints[0].iterdir()}
-    assert_same_weights(weights(tmp_path / "weights-rank0.pt"), weights(tmp_path / "weights-rank1.pt"))
+
+    settings = {"max_steps": 200, "save_every_steps": None}
+    highest = 0
+    _, lines, _ = launch_and_stop(settings, sigterm_to_rank_1)
+    assert lines[0][2] == "SIGTERM"
+    highest = int(lines[0][3])
+    code, lines, stderr = launch_and_stop(
+        {**settings, "resume_from": "auto"}, lambda launcher: os.killpg(launcher.pid, signal.SIGINT)
+    )
+    assert lines[0][2] == "SIGINT" and "KeyboardInterrupt" not in stderr
+    assert code == 128 + signal.SIGINT
 
 
 # ------------------------------------------------------------------------------------------ fault injection
