@@ -369,7 +369,11 @@ class PODSTrainer:
                     if acc.sync_gradients:
                         grad_norm = float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                         grad_norms.append(grad_norm)
-                        if self._step_is_finite(state, finite and math.isfinite(grad_norm)):
+                        # fp16: the GradScaler skips overflowing steps itself and lowers its scale.
+                        usable = acc.scaler is not None or self._step_is_finite(
+                            state, finite and math.isfinite(grad_norm)
+                        )
+                        if usable:
                             self.optimizer.step()
                             self.scheduler.step()
                         finite = True
