@@ -121,6 +121,16 @@ def pods_train(model_dir: Path, output: Path, **options) -> list[str]:
     return [sys.executable, "-m", "pods", "train", *(f"--{k}={v}" for k, v in settings.items())]
 
 
+def small_files(limit: int):
+    """A child-process hook: files may not grow past ``limit`` bytes (RLIMIT_FSIZE binds root too)."""
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, not a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
 # ------------------------------------------------------------------------------------------ graceful stop
 
 
@@ -420,19 +430,13 @@ def test_a_checkpoint_write_that_fails_leaves_earlier_ones_intact(
     output = tmp_path / "run"
     trainer_for(tiny_model_dir, output, max_steps=2, save_every_steps=1).train()
     before = list_checkpoints(output / "checkpoints")
-    limit = 64 * 1024  # metrics rows and JSON files fit; model.safetensors (~115 KB) does not
-
-    def small_files() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, not a kill
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
     failed = subprocess.run(
         pods_train(tiny_model_dir, output, max_steps=4, save_every_steps=1, resume_from="auto"),
         capture_output=True,
         text=True,
         timeout=300,
         env=CLI_ENV,
-        preexec_fn=small_files,
+        preexec_fn=small_files(64 * 1024),  # metrics and JSON files fit; model.safetensors (~115 KB) does not
     )
     assert failed.returncode == 2, failed.stderr[-3000:]
     assert "Traceback" not in failed.stderr
@@ -452,6 +456,20 @@ def test_a_checkpoint_write_that_fails_leaves_earlier_ones_intact(
         == 4
     )
     assert [row["step"] for row in read_jsonl(output / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_write_on_one_rank_ends_both_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """2 processes: rank 0 cannot write model.safetensors (EFBIG); both ranks raise, none waits forever."""
+    command, env = two_process_launch(tiny_model_dir, tmp_path, {"max_steps": 4, "save_every_steps": 1})
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env=env, preexec_fn=small_files(64 * 1024)
+    )
+    assert result.returncode != 0
+    assert "could not write checkpoint" in result.stderr and "File too large" in result.stderr
+    assert "it failed on another process" in result.stderr, result.stderr[-3000:]  # rank 1 raised too
+    assert list_checkpoints(tmp_path / "checkpoints") == []
+    assert not list((tmp_path / "checkpoints").glob(".partial-*"))
 
 
 # ------------------------------------------------------------------------------------------ non-finite guard
