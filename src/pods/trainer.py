@@ -221,7 +221,7 @@ class PODSTrainer:
         state = self._resume_or_start()
         stop = StopRequests(reduce_max=self._synced_max if acc.num_processes > 1 else None)
         progress = TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time)
-        with stop, progress:
+        with stop, progress, self._trackers():
             if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
                 self._evaluate(state, progress)
             while not self._finished(state) and not stop.agreed():
@@ -270,12 +270,19 @@ class PODSTrainer:
             ):
                 self._evaluate(state, progress)
             checkpoint = self._save(state) if cfg.save_final or stopped else None
-        if cfg.report_to:
-            acc.end_training()
         if stopped:
             raise TrainingStopped(stop.agreed_signal, state.step, checkpoint, self.output_dir)
         evals = read_jsonl(self.eval_log.path) if self.eval_log.path.is_file() else []
         return TrainResult(self.output_dir, state.step, state.train_seconds, evals, checkpoint)
+
+    @contextlib.contextmanager
+    def _trackers(self):
+        """Flush and close the trackers (TensorBoard, W&B, ...) however the loop ends: done, stopped or failed."""
+        try:
+            yield
+        finally:
+            if self.config.report_to:
+                self.accelerator.end_training()
 
     # ------------------------------------------------------------------ step pieces
     def _render(self, batch: list[dict[str, Any]]) -> list[str]:
@@ -377,7 +384,11 @@ class PODSTrainer:
                     if acc.sync_gradients:
                         grad_norm = float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                         grad_norms.append(grad_norm)
-                        if self._step_is_finite(state, finite and math.isfinite(grad_norm)):
+                        # fp16: the GradScaler skips overflowing steps itself and lowers its scale.
+                        usable = acc.scaler is not None or self._step_is_finite(
+                            state, finite and math.isfinite(grad_norm)
+                        )
+                        if usable:
                             self.optimizer.step()
                             self.scheduler.step()
                         finite = True
