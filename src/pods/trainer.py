@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from pods.advantages import group_advantages, zero_variance_groups
+from pods.auto_generations import AutoGenerations
 from pods.checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -166,6 +167,15 @@ class PODSTrainer:
         self.checkpoint_root = self.output_dir / "checkpoints"
         self.metrics_log = JsonlLog(self.output_dir / "metrics.jsonl", enabled=acc.is_main_process)
         self.eval_log = JsonlLog(self.output_dir / "eval.jsonl", enabled=acc.is_main_process)
+        self.auto = None  # num_generations: auto chooses n as it runs (pods.auto_generations)
+        if cfg.num_generations == "auto":
+            low, high = cfg.generation_bounds
+            self.auto = AutoGenerations(
+                cfg.num_generations_kept, low, high, cfg.selection_rule, cfg.num_generations_every
+            )
+        self.auto_log = JsonlLog(
+            self.output_dir / "num_generations.jsonl", enabled=acc.is_main_process and self.auto is not None
+        )
 
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
@@ -209,7 +219,7 @@ class PODSTrainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:
         cfg, acc = self.config, self.accelerator
-        n, m = cfg.num_generations, cfg.num_generations_kept
+        m = cfg.num_generations_kept
         state = self._resume_or_start()
         with TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time) as progress:
             if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
@@ -218,6 +228,7 @@ class PODSTrainer:
                 timer = StepTimer()
                 self._seed_step(state.step)
                 batch = self.prompts.batch(state.step)
+                n = self.auto.current if self.auto else cfg.num_generations
 
                 with timer("generate"):  # 1. n completions per prompt
                     rollouts = self.engine.generate(self._render(batch), n, self.sampling)
@@ -240,6 +251,8 @@ class PODSTrainer:
                     state, timer, rollouts, rewards, kept_rewards, per_function, update
                 )
                 self.metrics_log.append(metrics)
+                if self.auto:
+                    self._auto_step(state, rewards, per_function, timer)
                 if cfg.report_to:
                     acc.log(metrics, step=state.step)
                 progress.update(state.step, state.train_seconds, metrics)
@@ -268,7 +281,7 @@ class PODSTrainer:
     def _score(
         self, batch: list[dict[str, Any]], rollouts: Rollouts
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        n = self.config.num_generations
+        n = rollouts.num_generations
         columns = {key: [row[key] for row in batch for _ in range(n)] for key in batch[0] if key != "prompt"}
         prompts = [row["prompt"] for row in batch for _ in range(n)]
         completion_ids = [
@@ -379,6 +392,7 @@ class PODSTrainer:
             "step": state.step,
             "epoch": round(self.prompts.epoch(state.step), 4),
             "train_seconds": round(state.train_seconds, 3),
+            "num_generations": rewards.shape[1],
             "reward_mean_all": all_rewards.mean().item(),
             "reward_std_all": all_rewards.std(dim=1).mean().item() if all_rewards.shape[1] > 1 else 0.0,
             "reward_mean_kept": kept.mean().item(),
@@ -403,6 +417,25 @@ class PODSTrainer:
         metrics["tokens_per_second"] = round(lengths.sum().item() / max(step_seconds, 1e-9), 1)
         metrics["peak_memory_mb"] = round(_peak_memory_mb(), 1)
         return metrics
+
+    def _auto_step(
+        self,
+        state: TrainerState,
+        rewards: torch.Tensor,
+        per_function: dict[str, torch.Tensor],
+        timer: StepTimer,
+    ) -> None:
+        """``num_generations: auto``: record this step's successes per group (the accuracy reward above
+        0.5, else the summed reward above 0.5) and timings, over every process; re-decide n when due."""
+        acc = self.accelerator
+        scores = torch.nan_to_num(per_function.get(reward_name(self.accuracy_fn), rewards))
+        successes = acc.gather((scores > 0.5).sum(dim=1).to(acc.device)).cpu().tolist()
+        generate = self._synced(sum(timer.seconds.get(k, 0.0) for k in ("generate", "score", "select")))
+        other = self._synced(timer.seconds.get("update", 0.0))
+        self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, generate, other))
+        decision = self.auto.decide(state.step)
+        if decision is not None:
+            self.auto_log.append({"kind": "decision", **decision.to_dict()})
 
     def _synced(self, seconds: float) -> float:
         """The slowest process's value, so every process takes the same clock-based decisions."""
@@ -495,12 +528,18 @@ class PODSTrainer:
                 )
             self.metrics_log.reset()
             self.eval_log.reset()
+            self.auto_log.reset()
             return TrainerState()
         folder = self._checkpoint_to_resume(source)
         if folder is None:
             return TrainerState()
         state = load_checkpoint(self.accelerator, folder)
         self.metrics_log.truncate_after(state.step)
+        if self.auto is not None:  # replay n's observations and decisions up to the checkpoint
+            self.auto_log.truncate_after(state.step)
+            self.accelerator.wait_for_everyone()
+            if self.auto_log.path.is_file():
+                self.auto.restore([r for r in read_jsonl(self.auto_log.path) if r["step"] <= state.step])
         if state.last_eval_seconds is not None:
             self.eval_log.truncate_after(state.step)
         return state
