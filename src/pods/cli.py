@@ -45,7 +45,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from pods.trainer import train
 
     config = load_train_config(args.config, overrides)
-    _quiet_libraries()
+    quiet_libraries()
     result = train(config)
     if not _is_main_process():
         return 0
@@ -78,7 +78,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if overrides:
         raise SystemExit(f"pods eval: error: unrecognized arguments: {' '.join(overrides)}")
-    _quiet_libraries()
+    quiet_libraries()
     model_dir = find_model_folder(args.model)
     model = load_model_for_eval(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -159,7 +159,7 @@ def _sweep(args: argparse.Namespace, overrides: list[str]) -> int:
     if not arms:
         raise SystemExit("pods sweep: error: give --grid KEY=V1,V2,... and/or --arm NAME:KEY=VALUE,...")
     config = load_train_config(args.config or "compare-embedded", overrides)
-    _quiet_libraries()
+    quiet_libraries()
     output = _experiment_folder(args, "sweep")
     summary = run_sweep(
         config,
@@ -178,7 +178,7 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
     from pods.compare import run_comparison
 
     config = load_train_config(args.config or "compare-embedded", overrides)
-    _quiet_libraries()
+    quiet_libraries()
     output = _experiment_folder(args, "compare")
     arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
     summary = run_comparison(
@@ -422,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """Quiet the libraries' own chatter (weight-loading bars, save notices) so the run's output reads."""
     import logging
 

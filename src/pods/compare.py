@@ -40,6 +40,7 @@ def run_comparison(
     seeds: list[int],
     *,
     resume_command: str | None = None,
+    trainer_kwargs: dict[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Train every arm for every seed and summarise against GRPO (see :func:`pods.sweep.run_sweep`)."""
@@ -52,5 +53,6 @@ def run_comparison(
         output_dir,
         baseline=BASELINE,
         resume_command=resume_command,
+        trainer_kwargs=trainer_kwargs,
         log=log,
     )

@@ -139,9 +139,13 @@ def run_sweep(
     target: float | None = None,
     swept_keys: Sequence[str] = (),
     resume_command: str | None = None,
+    trainer_kwargs: dict[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Train every arm for every seed (one after the other, so each has the whole machine) and summarise.
+
+    ``trainer_kwargs`` go to every :class:`pods.trainer.PODSTrainer` (your own ``reward_funcs``,
+    ``train_dataset``, ``eval_dataset``).
 
     Finished runs (``done.json``) are reused when their settings match; an unfinished one is resumed.
     Raises :class:`SweepInterrupted` (after writing the summary of what finished) when a run is stopped.
@@ -193,7 +197,7 @@ def run_sweep(
             f"{_budget(config)}{' (resuming)' if resume else ''} -> {run_dir}"
         )
         try:
-            result = PODSTrainer(config).train()
+            result = PODSTrainer(config, **(trainer_kwargs or {})).train()
         except stopped_errors as stop:
             finished = summarise_and_write(runs, arms, baseline, target, swept_keys, output_dir, base)
             signal_name = getattr(stop, "signal_name", "SIGINT")
