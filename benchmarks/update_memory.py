@@ -213,7 +213,7 @@ def run_config(model_dir: str, n: int, m: int, length: int, workdir: str) -> dic
         "n": n,
         "m": m,
         **measured,
-        "completion_length_mean": metrics["completion_length_mean"],
+        "completion_length_mean": metrics["completions/mean_length"],
         "seconds_generate": metrics["seconds_generate"],
         "seconds_update": metrics["seconds_update"],
         "device": str(trainer.accelerator.device),

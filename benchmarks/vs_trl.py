@@ -239,7 +239,7 @@ def main() -> None:
                 trl_clock.reset()
                 pods_metrics.clear()
 
-    generated = [row["completion_length_mean"] for row in pods_metrics]
+    generated = [row["completions/mean_length"] for row in pods_metrics]
     ours = statistics.median(pods_clock.step_seconds)
     theirs = statistics.median(trl_clock.step_seconds)
     ours_gen = statistics.median(row["seconds_generate"] for row in pods_metrics)

@@ -144,15 +144,14 @@ def main(argv: list[str] | None = None) -> None:
     """Load GSM8K train with chat prompts, build the trainer, train, save the adapter."""
     from transformers import AutoTokenizer
 
-    from pods.data import load_task
-    from pods.rewards import accuracy_reward, format_reward, tag_reward
+    from pods.data import get_task
 
     args = build_parser().parse_args(argv)
     config = build_config(args)
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
-    dataset = load_task(
-        "gsm8k",
-        split="train",
+    task = get_task("gsm8k")  # its reader, chat prompt, rewards (accuracy, format, tag) and accuracy function
+    dataset = task.load(
+        "train",
         source=args.source,
         prompt_style="chat",
         tokenizer=tokenizer,
@@ -162,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     trainer = PODSTrainer(
         model=args.model,
-        reward_funcs=[accuracy_reward, format_reward, tag_reward],
+        reward_funcs=task.reward_functions(),
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,

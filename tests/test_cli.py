@@ -37,6 +37,28 @@ def test_demo_prints_what_each_rule_keeps() -> None:
         assert result.stdout.count(rule) == 2
 
 
+def test_both_spellings_of_every_option() -> None:
+    from pods.cli import build_parser, load_train_config
+
+    parser = build_parser()
+    base = ["eval", "--model", "m", "--dataset", "arith"]
+    for spelling in ("--max_new_tokens", "--max-new-tokens"):
+        args, extra = parser.parse_known_args(
+            [
+                *base,
+                spelling,
+                "7",
+                spelling.replace("max", "batch").replace("new_tokens", "size").replace("new-tokens", "size"),
+                "3",
+            ]
+        )
+        assert (args.max_new_tokens, args.batch_size, extra) == (7, 3, [])
+    for spelling in ("--output", "--output_dir", "--output-dir"):
+        assert parser.parse_known_args(["compare", spelling, "there"])[0].output == "there"
+    assert load_train_config(None, ["--max-time", "7", "--num_generations", "8"]).max_time == 7.0
+    assert load_train_config(None, ["--max_time", "7", "--num-generations", "8"]).num_generations == 8
+
+
 def test_bad_input_is_a_clear_error_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     result = run_pods("train", "--lerning_rate", "1e-5")  # once as a real process
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -47,8 +69,19 @@ def test_bad_input_is_a_clear_error_without_traceback(capsys: pytest.CaptureFixt
         (["train", "--num_generations_kept", "64"], "cannot exceed num_generations"),
         (["train", "--max_steps", "ten"], "max_steps must be int"),
         (["eval", "--model", "/no/such/model", "--dataset", "gsm8k"], "does not exist"),
+        (["compare", "--seed", "3"], "set per arm by pods compare, so it cannot be overridden; use --seeds"),
+        (["compare", "--num-generations", "8"], "--num_generations is set per arm"),
+        (
+            ["eval", "--model", "embedded", "--dataset", "arith", "--max_time", "3"],
+            "unrecognized arguments: --max_time",
+        ),
+        (["plot", "runs/x", "--colour", "red"], "unrecognized arguments: --colour"),
     ]:
-        assert main(args) == 2, args
+        try:
+            code = main(args)
+        except SystemExit as exit:  # argparse's own errors
+            code = exit.code
+        assert code == 2, args
         assert message in capsys.readouterr().err
 
 
@@ -148,7 +181,7 @@ def test_every_preset_resolves_and_runs_a_step_on_a_tiny_model(
     trainer = PODSTrainer(type(config).from_dict(values))
     assert trainer.train().steps == 1
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
-    assert row["step"] == 1 and row["reward_mean_all"] is not None
+    assert row["step"] == 1 and row["reward"] is not None
 
 
 def test_presets_are_the_papers_settings() -> None:

@@ -60,7 +60,7 @@ def test_parse_overrides() -> None:
         ({"lr_scheduler_type": "cosine", "max_steps": None}, "set max_steps"),
         ({"warmup_ratio": 0.1, "max_steps": None}, "fraction of max_steps"),
         ({"load_in_4bit": True}, "lora_r > 0"),
-        ({"reward_weights": [1.0, 2.0]}, "2 weights for 1 reward_funcs"),
+        ({"reward_funcs": ["accuracy"], "reward_weights": [1.0, 2.0]}, "2 weights for 1 reward_funcs"),
         ({"progress": "yes"}, "progress must be bool"),
         ({"temperature": -1}, "temperature"),
     ],

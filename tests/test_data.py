@@ -14,6 +14,7 @@ from pods.data import (
     MissingDataError,
     TaskDataError,
     available_tasks,
+    get_task,
     load_task,
     register_task,
 )
@@ -147,6 +148,25 @@ def test_registry_lists_tasks_and_rejects_unknown_names_and_options(shared_data:
         load_task("gsm9k")
     with pytest.raises(ValueError, match=r"does not accept option\(s\) \['colour'\]"):
         load_task("gsm8k", source=str(shared_data / "gsm8k"), colour="red")
+
+
+def test_each_task_owns_its_rewards_accuracy_and_prompt() -> None:
+    from pods.rewards import accuracy_reward, math_accuracy_reward, tag_reward
+
+    assert get_task("math500").accuracy_function() is math_accuracy_reward
+    assert get_task("gsm8k").accuracy_function() is accuracy_reward
+    assert get_task("gsm8k").reward_functions()[-1] is tag_reward
+    arith = get_task("arith")
+    assert arith.reward_functions() == [accuracy_reward] and arith.max_new_tokens == 32
+    assert load_task("arith", "test", limit=1)["prompt"][0].startswith("Question: ")
+
+    def read_tiny(split: str, *, source: str | None = None) -> list[dict]:
+        return [{"question": "1+1?", "answer": "2", "where": source}]
+
+    register_task("tiny-task-fields", read_tiny, accuracy="math_accuracy", prompt_style="raw")
+    assert get_task("tiny-task-fields").accuracy_function() is math_accuracy_reward
+    row = load_task("tiny-task-fields", "test", source="here")[0]
+    assert (row["prompt"], row["where"]) == ("1+1?", "here")
 
 
 def test_register_task_adds_a_loader() -> None:

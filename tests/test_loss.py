@@ -240,7 +240,7 @@ def test_policy_loss_kl_term_is_k3_times_beta():
     assert out0.kl.item() == pytest.approx(out.kl.item())
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t != "bnpo"])  # bnpo: per micro-batch, below
 def test_micro_batches_sum_to_the_batch_loss_and_gradient(loss_type):
     gen = torch.Generator().manual_seed(3)
     batch, length = 6, 5
@@ -278,6 +278,26 @@ def test_micro_batches_sum_to_the_batch_loss_and_gradient(loss_type):
     assert sum(p.item() for p in parts) == pytest.approx(whole.item(), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(grad_parts, grad_whole, rtol=1e-5, atol=1e-7)
     assert grad_whole.abs().sum() > 0
+
+
+def test_bnpo_normalises_each_micro_batch_by_its_own_tokens_as_trl_does():
+    """TRL's bnpo: each micro-batch's token mean, divided by the number of accumulated micro-batches."""
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.1, -4.0], [-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1, 0, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]])  # 2 tokens, then 6 tokens
+    advantages = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    totals = {"total_sequences": 4, "total_tokens": 8, "max_completion_length": 3}
+
+    def micro_losses(loss_type):
+        return [
+            policy_loss(
+                logprobs[rows], advantages[rows], mask[rows], loss_type=loss_type, **totals
+            ).loss.item()
+            for rows in (slice(0, 2), slice(2, 4))
+        ]
+
+    # On-policy the per-token loss is -A: micro-batch token means -1 and +1, each / 2 micro-batches.
+    assert micro_losses("bnpo") == pytest.approx([-0.5, 0.5])
+    assert sum(micro_losses("dapo")) == pytest.approx((-2 + 6) / 8)  # dapo: one token mean over the batch
 
 
 def test_policy_loss_ignores_non_finite_values_at_masked_positions():

@@ -100,6 +100,15 @@ def test_max_variance_on_arbitrary_floats(rows: list[list[float]], m: int) -> No
     torch.testing.assert_close(subset_variance(rewards, kept), best, rtol=1e-9, atol=1e-7)
 
 
+@pytest.mark.parametrize("factor", [1e200, 1e-300, -1e250])
+def test_max_variance_is_scale_free_at_extreme_magnitudes(factor: float) -> None:
+    """Squares of rewards above ~1e154 overflow and below ~1e-154 underflow; the subset must not change."""
+    base = torch.rand(50, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    expected = select(base, 4, "max_variance")
+    assert torch.equal(select(base * factor, 4, "max_variance"), expected)
+    assert torch.equal(select(1e300 + base * 1e290, 4, "max_variance"), expected)
+
+
 def test_binary_rewards_take_correct_as_close_to_half_as_possible() -> None:
     n, m = 16, 8
     for correct in range(n + 1):

@@ -80,16 +80,20 @@ def test_a_few_real_steps(tiny_model_dir: Path, tmp_path: Path, overrides: dict)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2]
     for key in (
-        "reward_mean_all",
-        "reward_mean_kept",
-        "zero_variance_fraction_all",
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "pods/reward_kept",
+        "rewards/count_of_a/mean",
+        "completions/mean_length",
+        "clip_ratio/region_mean",
         "grad_norm",
         "kl",
         "loss",
     ):
         assert key in rows[-1] and rows[-1][key] is not None
     if overrides.get("selection_rule", "max_variance") == "max_variance":
-        assert all(row["reward_std_kept"] >= row["reward_std_all"] - 1e-9 for row in rows)
+        assert all(row["pods/group_reward_std_kept"] >= row["pods/group_reward_std"] - 1e-9 for row in rows)
     if overrides.get("beta"):
         assert rows[-1]["kl"] > 0
     assert (tmp_path / "config.yaml").is_file()
@@ -112,12 +116,12 @@ def test_mean_reward_rises(tiny_model_dir: Path, tmp_path: Path) -> None:
         save_final=False,
     )
     PODSTrainer(config, reward_funcs=[low_token_ids], train_dataset=tiny_dataset()).train()
-    rewards = [row["reward_mean_all"] for row in read_jsonl(tmp_path / "metrics.jsonl")]
+    rewards = [row["reward"] for row in read_jsonl(tmp_path / "metrics.jsonl")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.2, rewards
 
 
-def _run_script(
+def run_script(
     model_dir: Path, output: Path, settings: dict, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -129,35 +133,36 @@ def _run_script(
     )
 
 
-def _learning_metrics(path: Path) -> list[dict]:
+def learning_metrics(path: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in read_jsonl(path)]
 
 
 def test_resume_after_a_crash_is_exact(tiny_model_dir: Path, tmp_path: Path) -> None:
     settings = {"max_steps": 4, "save_every_steps": 2, "selection_rule": "random", "num_iterations": 2}
-    straight = _run_script(tiny_model_dir, tmp_path / "straight", settings)
+    straight = run_script(tiny_model_dir, tmp_path / "straight", settings)
     assert straight.returncode == 0, straight.stderr
 
     # Crash half-way through writing the step-4 checkpoint: metrics for steps 3-4 were already logged.
-    crashed = _run_script(tiny_model_dir, tmp_path / "resumed", settings, env={"PODS_CRASH_DURING_SAVE": "4"})
+    crashed = run_script(tiny_model_dir, tmp_path / "resumed", settings, env={"PODS_CRASH_DURING_SAVE": "4"})
     assert crashed.returncode == 17, crashed.stderr
     assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "checkpoints")] == ["step-0000002"]
     assert len(read_jsonl(tmp_path / "resumed" / "metrics.jsonl")) == 4
 
-    resumed = _run_script(tiny_model_dir, tmp_path / "resumed", {**settings, "resume_from": "auto"})
+    resumed = run_script(tiny_model_dir, tmp_path / "resumed", {**settings, "resume_from": "auto"})
     assert resumed.returncode == 0, resumed.stderr
     assert not list((tmp_path / "resumed" / "checkpoints").glob(".partial-*"))
 
     a = torch.load(tmp_path / "straight" / "weights-rank0.pt")
     b = torch.load(tmp_path / "resumed" / "weights-rank0.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    straight_rows = _learning_metrics(tmp_path / "straight" / "metrics.jsonl")
-    resumed_rows = _learning_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    straight_rows = learning_metrics(tmp_path / "straight" / "metrics.jsonl")
+    resumed_rows = learning_metrics(tmp_path / "resumed" / "metrics.jsonl")
     assert [row["step"] for row in resumed_rows] == [1, 2, 3, 4]
     assert straight_rows == resumed_rows
 
 
-def test_two_processes_keep_identical_parameters(tiny_model_dir: Path, tmp_path: Path) -> None:
+def two_process_launch(model_dir: Path, output: Path, settings: dict) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run tiny_run.py as 2 CPU processes under ``accelerate launch``."""
     command = [
         sys.executable,
         "-m",
@@ -172,15 +177,20 @@ def test_two_processes_keep_identical_parameters(tiny_model_dir: Path, tmp_path:
         "--dynamo_backend",
         "no",
         str(SCRIPT),
-        str(tiny_model_dir),
-        str(tmp_path),
-        json.dumps({"max_steps": 2}),
+        str(model_dir),
+        str(output),
+        json.dumps(settings),
     ]
     # A clean launch environment: earlier in-process tests (accelerate, TRL) leave ACCELERATE_* and
     # rank variables in os.environ that would change what the launcher does.
     launcher_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_") and k not in launcher_keys}
     env.update(ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    return command, env
+
+
+def test_two_processes_keep_identical_parameters(tiny_model_dir: Path, tmp_path: Path) -> None:
+    command, env = two_process_launch(tiny_model_dir, tmp_path, {"max_steps": 2})
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MULTI_CPU" in result.stdout

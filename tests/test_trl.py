@@ -24,7 +24,6 @@ from pods.integrations.trl import (
     PODSTrainer,
     advantage_scale,
     check_batch_arithmetic,
-    kept_row_indices,
     summed_rewards,
     take_rows,
 )
@@ -148,9 +147,7 @@ def test_scale_mapping_and_summed_rewards() -> None:
 
 
 def test_take_rows_keeps_every_per_row_entry_and_refuses_unknown_shapes() -> None:
-    kept = torch.tensor([[1, 3], [0, 2]])
-    rows = kept_row_indices(kept, num_generations=4)
-    assert rows.tolist() == [1, 3, 4, 6]
+    rows = torch.tensor([1, 3, 4, 6])  # positions [1, 3] of group 0 and [0, 2] of group 1, n = 4
     batch = {
         "completion_ids": torch.arange(16).view(8, 2),
         "advantages": torch.arange(8.0),
@@ -197,7 +194,7 @@ def test_generation_batch_keeps_the_selected_rows_of_each_group(
     batch = trainer._generate_and_score_completions(inputs)
     rewards = torch.tensor(token_sum_reward(seen)).view(4, 4)
     expected = select(rewards, 2, "max_variance")
-    rows = kept_row_indices(expected, 4).tolist()
+    rows = (expected + 4 * torch.arange(4).unsqueeze(1)).flatten().tolist()
     completions = [
         ids[mask.bool()].tolist()
         for ids, mask in zip(batch["completion_ids"], batch["completion_mask"], strict=True)
@@ -212,7 +209,8 @@ def test_generation_batch_keeps_the_selected_rows_of_each_group(
         assert torch.equal(batch["prompt_ids"][2 * group], batch["prompt_ids"][2 * group + 1])
         best = max(rewards[group, list(pair)].var().item() for pair in itertools.combinations(range(4), 2))
         assert kept_rewards[group].var().item() == pytest.approx(best)
-    assert trainer._metrics["train"]["pods/reward_mean_all"] == [pytest.approx(rewards.mean().item())]
+    assert trainer._metrics["train"]["pods/reward_kept"] == [pytest.approx(kept_rewards.mean().item())]
+    assert trainer._metrics["train"]["reward"] == [pytest.approx(rewards.mean().item())]  # TRL's own, all n
     logged = torch.tensor(list(trainer._logs["advantages"])).view(4, 4)  # completions table: NaN = dropped
     assert torch.equal(logged.isnan().logical_not().nonzero()[:, 1].view(4, 2), expected)
 
@@ -230,18 +228,17 @@ def test_two_training_steps_per_rule(tiny_model_dir, prompts, tmp_path, rule: st
     trainer.train()
     assert trainer.state.global_step == 2
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
-    logs = [log for log in trainer.state.log_history if "pods/reward_mean_kept" in log]
+    logs = [log for log in trainer.state.log_history if "pods/reward_kept" in log]
     assert len(logs) == 2
     for log in logs:
         assert torch.isfinite(torch.tensor(log["loss"]))
-        kept, everything = log["pods/reward_mean_kept"], log["pods/reward_mean_all"]
+        kept, everything = log["pods/reward_kept"], log["reward"]
         if rule == "max_reward":
             assert kept >= everything
         if rule == "test_lowest":
             assert kept <= everything
         if rule == "max_variance":  # max-variance keeps a spread in every group that has one
-            assert log["pods/frac_zero_std_kept"] == log["pods/frac_zero_std_all"]
-        assert log["pods/frac_zero_std_kept"] >= log["pods/frac_zero_std_all"]
+            assert log["pods/frac_reward_zero_std_kept"] == log["frac_reward_zero_std"]
 
 
 def test_m_equal_n_reproduces_grpo_exactly(tiny_model_dir, prompts, tmp_path) -> None:

@@ -42,11 +42,21 @@ def load_train_config(config: str | None, overrides: list[str]):
 # ---------------------------------------------------------------------------------------------- train
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from pods.plotting import plot_runs
-    from pods.trainer import train
+    from pods.trainer import TrainingStopped, train
 
     config = load_train_config(args.config, overrides)
     quiet_libraries()
-    result = train(config)
+    try:
+        result = train(config)
+    except TrainingStopped as stopped:
+        if _is_main_process():
+            print(
+                f"\npods train: stopped by {stopped.signal_name} after step {stopped.step}; "
+                f"checkpoint: {stopped.checkpoint}\nContinue this run with:\n  "
+                f"{resume_command(args.config, overrides, stopped.output_dir)}",
+                file=sys.stderr,
+            )
+        return stopped.exit_code
     if not _is_main_process():
         return 0
     plot = plot_runs([result.output_dir], result.output_dir / "training.png")
@@ -68,30 +78,44 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def resume_command(config: str | None, overrides: list[str], output_dir: Path) -> str:
+    """The ``pods train`` command that continues a run: the same options, its run folder, ``--resume_from auto``."""
+    import shlex
+
+    kept, index = [], 0
+    while index < len(overrides):
+        item = overrides[index]
+        key, sep, _ = item.lstrip("-").partition("=")
+        takes_value = item.startswith("--") and not sep and index + 1 < len(overrides)
+        width = 2 if takes_value and not overrides[index + 1].startswith("--") else 1
+        if key.replace("-", "_") not in ("output_dir", "resume_from"):
+            kept += overrides[index : index + width]
+        index += width
+    head = ["pods", "train"] + (["--config", config] if config else [])
+    return shlex.join(head + kept + ["--output_dir", str(output_dir), "--resume_from", "auto"])
+
+
 # ---------------------------------------------------------------------------------------------- eval
 def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    from pods.data import load_task
+    from pods.data import get_task
     from pods.evaluation import evaluate
     from pods.models import load_tokenizer
-    from pods.rewards import REWARD_FUNCTIONS
-    from pods.trainer import ACCURACY_REWARDS
 
-    if overrides:
-        raise SystemExit(f"pods eval: error: unrecognized arguments: {' '.join(overrides)}")
     quiet_libraries()
     model_dir = find_model_folder(args.model)
     model = load_model_for_eval(model_dir)
     tokenizer = load_tokenizer(model_dir)
+    task = get_task(args.dataset)
     style = args.prompt_style or (
-        "plain" if args.dataset == "arith" or not tokenizer.chat_template else "chat"
+        "plain" if task.prompt_style == "chat" and not tokenizer.chat_template else task.prompt_style
     )
-    max_new_tokens = args.max_new_tokens or (32 if args.dataset == "arith" else 512)
-    dataset = load_task(args.dataset, args.split, source=args.source, prompt_style=style, limit=args.limit)
+    max_new_tokens = args.max_new_tokens or task.max_new_tokens
+    dataset = task.load(args.split, source=args.source, prompt_style=style, limit=args.limit)
     result = evaluate(
         model,
         tokenizer,
         dataset,
-        REWARD_FUNCTIONS[ACCURACY_REWARDS.get(args.dataset, "accuracy")],
+        task.accuracy_function(),
         protocol=args.protocol,
         samples=args.samples,
         temperature=args.temperature,
@@ -118,46 +142,72 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def find_model_folder(name: str) -> str:
-    """A model folder, hub name, ``embedded``, a checkpoint (uses its ``model/``) or a run (its latest checkpoint)."""
-    from pods.checkpoint import latest_checkpoint
+    """A model folder, hub name, ``embedded``, a checkpoint (uses its ``model/``) or a run (its newest intact checkpoint).
+
+    A checkpoint's model files are checked against its manifest first: a damaged one is a clear error.
+    """
+    from pods.checkpoint import STATE_FILE, newest_intact_checkpoint, verify_checkpoint
+    from pods.config import ConfigError
     from pods.models import resolve_model_path
 
     path = Path(name)
-    if (path / "trainer_state.json").is_file():
+    if path.name == "model" and (path.parent / STATE_FILE).is_file():
+        path = path.parent
+    if (path / STATE_FILE).is_file():
+        verify_checkpoint(path, under="model")
         return str(path / "model")
     if (path / "checkpoints").is_dir():
-        latest = latest_checkpoint(path / "checkpoints")
-        if latest is None:
-            from pods.config import ConfigError
-
-            raise ConfigError(f"--model {name}: this run folder has no complete checkpoint yet")
-        return str(latest / "model")
+        warn = lambda text: print(f"pods eval: warning: {text}", file=sys.stderr)  # noqa: E731
+        found = newest_intact_checkpoint(path / "checkpoints", warn=warn)
+        if found is None:
+            raise ConfigError(f"--model {name}: this run folder has no intact checkpoint")
+        return str(found / "model")
     return resolve_model_path(name)
 
 
 def load_model_for_eval(model_dir: str):
+    """Load safetensors weights only, never running a model's own code; a broken folder is a clear error."""
     import torch
 
-    if (Path(model_dir) / "adapter_config.json").is_file():
-        from peft import AutoPeftModelForCausalLM
-
-        return AutoPeftModelForCausalLM.from_pretrained(model_dir).eval()
-    from transformers import AutoModelForCausalLM
+    from pods.config import ConfigError
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    try:
+        if (Path(model_dir) / "adapter_config.json").is_file():
+            from peft import AutoPeftModelForCausalLM
+
+            return AutoPeftModelForCausalLM.from_pretrained(model_dir, use_safetensors=True).eval()
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=False
+        )
+    except Exception as error:  # safetensors, OSError, ValueError, ...: name the folder and the cause
+        raise ConfigError(
+            f"--model {model_dir}: cannot load the model ({type(error).__name__}: {_first_line(error)}); "
+            "the folder may be damaged or incomplete (pods eval reads model.safetensors only and never runs "
+            "a model's own code)"
+        ) from None
+    return model.to(device).eval()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no details"
 
 
 # ---------------------------------------------------------------------------------------------- sweep
 def _sweep(args: argparse.Namespace, overrides: list[str]) -> int:
-    from pods.sweep import grid_arms, parse_arm, parse_grid, run_sweep
+    from pods.sweep import SWEEP_SETS, grid_arms, parse_arm, parse_grid, run_sweep
 
     grid = [parse_grid(spec) for spec in args.grid or []]
     arms = grid_arms(grid) if grid else []
     arms += [parse_arm(spec) for spec in args.arm or []]
     if not arms:
         raise SystemExit("pods sweep: error: give --grid KEY=V1,V2,... and/or --arm NAME:KEY=VALUE,...")
+    per_arm = {key for arm in arms for key in arm.overrides} | set(SWEEP_SETS) | {"eval_at_start"}
+    _reject_per_arm_keys(overrides, tuple(per_arm), "pods sweep", "put the values in --grid or --arm")
     config = load_train_config(args.config or "compare-embedded", overrides)
     quiet_libraries()
     output = _experiment_folder(args, "sweep")
@@ -175,8 +225,9 @@ def _sweep(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
-    from pods.compare import run_comparison
+    from pods.compare import ARM_KEYS, run_comparison
 
+    _reject_per_arm_keys(overrides, ARM_KEYS, "pods compare", "choose --arms")
     config = load_train_config(args.config or "compare-embedded", overrides)
     quiet_libraries()
     output = _experiment_folder(args, "compare")
@@ -185,6 +236,16 @@ def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
         config, output, arms, _seeds(args.seeds), resume_command=_resume_command(args, output)
     )
     return _report(summary, output)
+
+
+def _reject_per_arm_keys(overrides: list[str], keys: tuple[str, ...], command: str, hint: str) -> None:
+    """An override of a key that every arm sets itself would be silently ignored: refuse it."""
+    from pods.config import ConfigError, parse_overrides
+
+    for key in parse_overrides(overrides):
+        if key in keys:
+            fix = {"seed": "use --seeds 0,1,...", "output_dir": "use --output FOLDER"}.get(key, hint)
+            raise ConfigError(f"--{key} is set per arm by {command}, so it cannot be overridden; {fix}")
 
 
 def _experiment_folder(args: argparse.Namespace, kind: str) -> Path:
@@ -224,11 +285,11 @@ def _report(summary: dict, output: Path) -> int:
 def _add_experiment_options(parser: argparse.ArgumentParser, seeds: str) -> None:
     parser.add_argument("--config", help="a preset name or YAML file (default: compare-embedded)")
     parser.add_argument("--seeds", default=seeds, help=f"comma-separated seeds (default: {seeds})")
-    parser.add_argument(
-        "--output",
+    _option(
+        parser,
+        "output",
         "--output_dir",
         "--output-dir",
-        dest="output",
         help="experiment folder (default: runs/<kind>-<time>); re-run with the same folder to continue",
     )
 
@@ -237,8 +298,6 @@ def _add_experiment_options(parser: argparse.ArgumentParser, seeds: str) -> None
 def _plot(args: argparse.Namespace, overrides: list[str]) -> int:
     from pods.plotting import plot_runs
 
-    if overrides:
-        raise SystemExit(f"pods plot: error: unrecognized arguments: {' '.join(overrides)}")
     output = Path(args.output) if args.output else Path(args.runs[0]) / "training.png"
     print(f"wrote {plot_runs(args.runs, output)}")
     return 0
@@ -275,7 +334,8 @@ def _config_keys_epilog() -> str:
 
     fields = [f"{f.name}={_default_of(f)}" for f in dataclasses.fields(TrainConfig)]
     return (
-        "Any configuration key can be set as --key value (or key=value), after --config.\n"
+        "Any configuration key can be set as --key value (or key=value), after --config; --max_time and\n"
+        "--max-time are the same option (so for every key and every option of every command).\n"
         f"Presets (--config NAME): {', '.join(preset_names())}.\nKeys and defaults: "
         + ", ".join(fields)
         + "\n"
@@ -289,6 +349,13 @@ def _default_of(field: dataclasses.Field) -> str:
     return str(field.default)
 
 
+def _option(parser: argparse.ArgumentParser, name: str, *more: str, **kwargs) -> None:
+    """Add ``--name`` under both spellings, ``--max_new_tokens`` and ``--max-new-tokens``, as for
+    configuration keys (the docs write underscores)."""
+    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    parser.add_argument(*spellings, *more, dest=name, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pods",
@@ -299,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train",
+        allow_abbrev=False,
         help="RL fine-tuning with PODS (default: the embedded arithmetic demo on a CPU, ~5 minutes)",
         description="Train with GRPO + PODS. With no arguments: the embedded CPU demo (configs/embedded.yaml).",
         epilog=_config_keys_epilog(),
@@ -307,7 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="a preset name or a YAML file (default: the built-in defaults)")
     train.set_defaults(handler=_train)
 
-    evaluate = commands.add_parser("eval", help="accuracy of a model or checkpoint on a test set")
+    evaluate = commands.add_parser(
+        "eval", allow_abbrev=False, help="accuracy of a model or checkpoint on a test set"
+    )
     evaluate.add_argument(
         "--model", required=True, help="model folder, hub name, 'embedded', checkpoint or run folder"
     )
@@ -325,23 +395,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--temperature", type=float, default=0.9, help="for --protocol sampled (default: 0.9)"
     )
     evaluate.add_argument("--limit", type=int, help="evaluate on the first N problems only")
-    evaluate.add_argument("--max-new-tokens", type=int, help="default: 32 for arith, 512 otherwise")
-    evaluate.add_argument("--batch-size", type=int, default=64, help="completions generated at once")
-    evaluate.add_argument(
-        "--prompt-style",
-        choices=("chat", "plain"),
-        help="default: chat when the tokenizer has a chat template",
+    _option(evaluate, "max_new_tokens", type=int, help="default: the task's (32 for arith, 512 otherwise)")
+    _option(evaluate, "batch_size", type=int, default=64, help="completions generated at once")
+    _option(
+        evaluate,
+        "prompt_style",
+        choices=("chat", "plain", "raw"),
+        help="default: the task's (plain for arith; chat when the tokenizer has a chat template)",
     )
     evaluate.add_argument("--output", help="JSON report path (default: eval-DATASET-PROTOCOL.json)")
     evaluate.set_defaults(handler=_eval)
 
     compare = commands.add_parser(
         "compare",
+        allow_abbrev=False,
         help="GRPO vs PODS side by side under the same wall-clock budget; plot and speed-up",
         description="Run GRPO (n = m) and PODS (n = 4m) with the same seeds and training-time budget, "
         "evaluating periodically (evaluation excluded from the clock); report accuracies and speed-ups "
         "with 95% intervals over seeds. A pods sweep with named arms and GRPO as the baseline.",
-        epilog="Any configuration key can be overridden as --key value, as for pods train.",
+        epilog="Any configuration key can be overridden as --key value, as for pods train, except those set per "
+        "arm (num_generations, selection_rule, seed, output_dir, resume_from, eval_at_start).",
     )
     compare.add_argument("--arms", default="grpo,pods", help="comma-separated: grpo,pods,random,max_reward")
     _add_experiment_options(compare, seeds="0,1")
@@ -349,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep = commands.add_parser(
         "sweep",
+        allow_abbrev=False,
         help="a grid over one or two configuration keys x seeds; accuracies and speed-ups with intervals",
         description="Train every arm (a grid value, or a named arm) for every seed under the same "
         "training-time budget, evaluation off the clock; write every evaluation (CSV), a summary with 95% "
@@ -381,13 +455,15 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.set_defaults(handler=_sweep)
 
     plot = commands.add_parser(
-        "plot", help="redraw accuracy and reward against time and steps from saved runs"
+        "plot", allow_abbrev=False, help="redraw accuracy and reward against time and steps from saved runs"
     )
     plot.add_argument("runs", nargs="+", help="run folders written by pods train")
     plot.add_argument("--output", help="PNG path (default: FIRST_RUN/training.png)")
     plot.set_defaults(handler=_plot)
 
-    demo = commands.add_parser("demo", help="show what each down-sampling rule keeps from random rewards")
+    demo = commands.add_parser(
+        "demo", allow_abbrev=False, help="show what each down-sampling rule keeps from random rewards"
+    )
     demo.add_argument("--groups", type=int, default=3, help="number of groups (prompts) (default: 3)")
     demo.add_argument("--n", type=int, default=8, help="rollouts per group (default: 8)")
     demo.add_argument("--m", type=int, default=4, help="rollouts kept per group (default: 4)")
@@ -405,20 +481,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if extra and args.command not in ("train", "compare", "sweep"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from pods.checkpoint import CheckpointWriteError
     from pods.config import ConfigError
     from pods.scoring import RewardFunctionError
     from pods.sweep import SweepInterrupted
+    from pods.trainer import NonFiniteError
 
     try:
         return args.handler(args, extra)
-    except (ConfigError, RewardFunctionError, ValueError, FileNotFoundError, ImportError) as error:
+    except (
+        ConfigError,
+        RewardFunctionError,
+        NonFiniteError,
+        CheckpointWriteError,
+        ValueError,
+        OSError,
+        ImportError,
+    ) as error:
         print(f"pods {args.command}: error: {error}", file=sys.stderr)
         return 2
     except SweepInterrupted as stopped:
         print(f"\npods {args.command}: {stopped}", file=sys.stderr)
         return stopped.exit_code
     except KeyboardInterrupt:
-        print(f"\npods {args.command}: interrupted", file=sys.stderr)
+        resume = (
+            " (pods train: the step in flight is lost; --resume_from auto continues from the last checkpoint)"
+        )
+        print(f"\npods {args.command}: aborted{resume if args.command == 'train' else ''}", file=sys.stderr)
         return 130
 
 

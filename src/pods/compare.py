@@ -18,6 +18,8 @@ from pods.sweep import Arm, run_sweep
 
 ARMS = ("grpo", "pods", "random", "max_reward")
 BASELINE = "grpo"
+# Configuration keys that arm_config sets for each arm: an override of them would be silently ignored.
+ARM_KEYS = ("num_generations", "selection_rule", "seed", "output_dir", "resume_from", "eval_at_start")
 
 
 def compare_arms(base: TrainConfig, names: list[str]) -> list[Arm]:

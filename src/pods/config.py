@@ -56,7 +56,7 @@ class TrainConfig:
     task: str = "arith"  # arith, gsm8k, math500, math (or a registered task)
     task_source: str | None = None  # hub name or local file/folder; None = the task's default
     train_split: str = "train"
-    prompt_style: str = "plain"  # chat (tokenizer's chat template) or plain
+    prompt_style: str | None = None  # chat (tokenizer's chat template), plain or raw; None = the task's
     max_prompt_length: int | None = 512  # longer prompts are filtered out of the data
     train_limit: int | None = None
 
@@ -77,8 +77,11 @@ class TrainConfig:
     rollout_engine: str = "hf"
 
     # --- rewards and loss ---
-    reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
+    reward_funcs: list[str] | None = None  # names in pods.rewards; None = the task's (arith: accuracy)
     reward_weights: list[float] | None = None
+    reward_timeout: float | None = (
+        None  # seconds per reward-function call; past it the run ends (None = no limit)
+    )
     scale_rewards: str = "group"  # group (paper), batch, none (Dr. GRPO)
     advantage_eps: float = 1e-4
     loss_type: str = "grpo"
@@ -96,6 +99,9 @@ class TrainConfig:
     adam_beta2: float = 0.999
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    max_consecutive_skips: int = (
+        3  # optimizer steps with a NaN/inf loss or grad norm are skipped; this many in a row stop the run
+    )
     micro_batch_size: int = 64  # kept rows per forward/backward pass
     mixed_precision: str = "no"  # no, bf16, fp16, or auto (bf16 where the GPU supports it)
 
@@ -174,7 +180,8 @@ class TrainConfig:
         _choice(self.eval_protocol, EVAL_PROTOCOLS, "eval_protocol")
         _choice(self.rollout_engine, ROLLOUT_ENGINES, "rollout_engine")
         _choice(self.mixed_precision, PRECISIONS, "mixed_precision")
-        _choice(self.prompt_style, ("chat", "plain", "raw"), "prompt_style")
+        if self.prompt_style is not None:
+            _choice(self.prompt_style, ("chat", "plain", "raw"), "prompt_style")
         _choice(self.dtype, ("float32", "bfloat16", "float16", "auto"), "dtype")
         _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
         _require(self.epsilon >= 0, "epsilon", f"must be >= 0, got {self.epsilon}")
@@ -187,8 +194,12 @@ class TrainConfig:
             "load_in_4bit",
             "a 4-bit base cannot be fully fine-tuned; set lora_r > 0 (QLoRA)",
         )
-        _require(bool(self.reward_funcs), "reward_funcs", "needs at least one reward function")
-        if self.reward_weights is not None:
+        _require(
+            self.reward_funcs is None or bool(self.reward_funcs),
+            "reward_funcs",
+            "needs at least one reward function (or null for the task's)",
+        )
+        if self.reward_weights is not None and self.reward_funcs is not None:
             _require(
                 len(self.reward_weights) == len(self.reward_funcs),
                 "reward_weights",
@@ -213,6 +224,12 @@ class TrainConfig:
         _require(self.max_time is None or self.max_time > 0, "max_time", "must be positive (seconds)")
         _require(self.torch_threads is None or self.torch_threads >= 1, "torch_threads", "must be at least 1")
         _require(self.save_total_limit >= 1, "save_total_limit", "must be at least 1")
+        _require(self.max_consecutive_skips >= 1, "max_consecutive_skips", "must be at least 1")
+        _require(
+            self.reward_timeout is None or self.reward_timeout > 0,
+            "reward_timeout",
+            "must be positive (seconds), or null for no limit",
+        )
         _require(self.eval_samples >= 1, "eval_samples", "must be at least 1")
 
     def _validate_auto(self) -> None:
@@ -251,7 +268,7 @@ class TrainConfig:
         _choice(self.selection_rule, tuple(available_rules()), "selection_rule")
         from pods.rewards import REWARD_FUNCTIONS
 
-        for name in self.reward_funcs:
+        for name in self.reward_funcs or ():
             _choice(name, tuple(REWARD_FUNCTIONS), "reward_funcs")
         from pods.data import available_tasks
 

@@ -209,6 +209,10 @@ class LossOutput:
     loss: Tensor  # scalar, differentiable
     kl: Tensor  # mean k3 KL to the reference over masked tokens (0 without a reference)
     clip_fraction: Tensor  # fraction of masked tokens where the clip bound is active (zero gradient)
+    clip_low_fraction: Tensor  # ... where it is the lower bound (ratio < 1 - epsilon, negative advantage)
+    clip_high_fraction: (
+        Tensor  # ... where it is the upper bound (ratio > 1 + epsilon_high, positive advantage)
+    )
     ratio_mean: Tensor  # mean importance ratio over masked tokens
     num_tokens: Tensor  # masked tokens in this micro-batch (weights for averaging the statistics above)
 
@@ -240,8 +244,9 @@ def policy_loss(
     whole optimisation batch, so that the micro-batch losses add up to the batch loss:
 
     - ``"grpo"``: sum over sequences of the sequence's token mean, / ``total_sequences``;
-    - ``"bnpo"``, ``"dapo"``: token sum / ``total_tokens`` (identical here: the caller sets the scope of
-      ``total_tokens``, e.g. all processes for DAPO);
+    - ``"bnpo"`` (TRL's): this micro-batch's token mean, weighted by its share of the sequences, so the
+      batch loss is the mean over (equal-sized) micro-batches of their own token means;
+    - ``"dapo"``: token sum / ``total_tokens`` (the caller sets its scope: all processes, as DAPO does);
     - ``"dr_grpo"``: token sum / (``total_sequences`` x ``max_completion_length``).
 
     ``old_logprobs=None`` means on-policy: ratio 1 with gradients flowing through ``logprobs``.
@@ -269,7 +274,7 @@ def policy_loss(
         raise ValueError(f"beta = {beta} > 0 needs ref_logprobs (log-probs under the reference model).")
     if total_sequences <= 0:
         raise ValueError(f"total_sequences must be > 0, got {total_sequences}.")
-    if loss_type in ("bnpo", "dapo") and total_tokens <= 0:
+    if loss_type == "dapo" and total_tokens <= 0:
         raise ValueError(f"total_tokens must be > 0 for loss_type {loss_type!r}, got {total_tokens}.")
     if loss_type == "dr_grpo" and max_completion_length <= 0:
         raise ValueError(f"max_completion_length must be > 0 for dr_grpo, got {max_completion_length}.")
@@ -299,7 +304,9 @@ def policy_loss(
     if loss_type == "grpo":
         token_counts = mask.sum(dim=1).clamp_min(1)
         loss = (per_token.sum(dim=1) / token_counts).sum() / total_sequences
-    elif loss_type in ("bnpo", "dapo"):
+    elif loss_type == "bnpo":
+        loss = per_token.sum() / mask.sum().clamp_min(1) * (batch / total_sequences)
+    elif loss_type == "dapo":
         loss = per_token.sum() / total_tokens
     else:
         loss = per_token.sum() / (total_sequences * max_completion_length)
@@ -308,11 +315,14 @@ def policy_loss(
         num_tokens = mask.sum()
         denom = num_tokens.clamp_min(1)
         clip_active = (clipped_term < unclipped_term) & mask  # min picked the clipped value: no gradient
+        clip_low = clip_active & (ratio < 1.0 - epsilon)
         kl = (k3 * mask).sum() / denom if ref_logprobs is not None else logprobs.new_zeros(())
         return LossOutput(
             loss=loss,
             kl=kl.detach(),
             clip_fraction=clip_active.sum() / denom,
+            clip_low_fraction=clip_low.sum() / denom,
+            clip_high_fraction=(clip_active & ~clip_low).sum() / denom,
             ratio_mean=(ratio * mask).sum() / denom,
             num_tokens=num_tokens,
         )

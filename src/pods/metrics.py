@@ -1,5 +1,6 @@
 """Metric logs: one JSON object per line, append-only, trimmed back to a checkpoint's step on resume
-so that a resumed run has no duplicated or missing rows."""
+so that a resumed run has no duplicated or missing rows; and the reward metrics both trainers log
+(TRL's names where TRL has the metric, ``pods/...`` for the kept-versus-all ones; see docs/metrics.md)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+import torch
 
 # Metrics that measure the machine rather than the learning: they differ between two identical runs.
 TIMING_KEYS = (
@@ -21,6 +24,26 @@ TIMING_KEYS = (
     "eval_seconds",
     "wall_time",
 )
+
+
+def reward_metrics(rewards: torch.Tensor, kept_rewards: torch.Tensor) -> dict[str, float]:
+    """Reward statistics of a step from every process's ``rewards[G, n]`` and ``kept_rewards[G, m]``.
+
+    ``reward``, ``reward_std`` (whole-batch std) and ``frac_reward_zero_std`` mean what they mean in TRL
+    (over all n; NaN = unscorable completions are left out); ``pods/..._kept`` are the same over the m
+    kept, and ``pods/group_reward_std[_kept]`` is the mean within-group std, the quantity PODS raises.
+    """
+    from pods.advantages import nanstd, zero_variance_groups
+
+    metrics: dict[str, float] = {}
+    for suffix, values in (("", rewards), ("_kept", kept_rewards)):
+        values = values.to(torch.float64)
+        prefix = "pods/" if suffix else ""
+        metrics[f"{prefix}reward{suffix}"] = values.nanmean().item()
+        metrics[f"{prefix}reward_std{suffix}"] = nanstd(values.reshape(1, -1), dim=1).item()
+        metrics[f"{prefix}frac_reward_zero_std{suffix}"] = zero_variance_groups(values).double().mean().item()
+        metrics[f"pods/group_reward_std{suffix}"] = nanstd(values, dim=1).mean().item()
+    return metrics
 
 
 class JsonlLog:

@@ -41,7 +41,7 @@ def plot_runs(
                 )
             if metrics:
                 axes[1, column].plot(
-                    [r[x_key] for r in metrics], _smooth([r["reward_mean_all"] for r in metrics]), label=label
+                    [r[x_key] for r in metrics], _smooth([r["reward"] for r in metrics]), label=label
                 )
     for column, x_label in enumerate(("training wall-clock (s, evaluation excluded)", "step")):
         axes[0, column].set(xlabel=x_label, ylabel="held-out accuracy (%)")

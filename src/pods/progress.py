@@ -40,7 +40,7 @@ class TrainingProgress:
             return
         budget = f"{train_seconds:.0f}/{self.total:.0f}s" if self.by_time else f"{step}/{self.max_steps}"
         text = (
-            f"reward {metrics.get('reward_mean_all', 0):.3f} (kept {metrics.get('reward_mean_kept', 0):.3f})  "
+            f"reward {metrics.get('reward', 0):.3f} (kept {metrics.get('pods/reward_kept', 0):.3f})  "
             f"acc {metrics.get('accuracy', 0):.3f}  "
             f"gen {metrics.get('seconds_generate', 0):.2f}s upd {metrics.get('seconds_update', 0):.2f}s"
         )

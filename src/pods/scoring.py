@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,11 +26,13 @@ def score_completions(
     completions: list[str],
     completion_ids: list[list[int]],
     columns: dict[str, list[Any]],
+    timeout: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted sum of every reward function per completion: ``(total[N], {name: per_function[N]})``.
 
     Each function is called as ``f(prompts=..., completions=..., completion_ids=..., **columns)``
     with one entry per completion. A ``None`` score means "does not apply" and adds nothing, as in TRL.
+    A call that takes longer than ``timeout`` seconds raises :class:`RewardFunctionError`.
     """
     weights = list(weights) if weights is not None else [1.0] * len(reward_funcs)
     total = torch.zeros(len(completions), dtype=torch.float64)
@@ -37,7 +40,20 @@ def score_completions(
     for fn, weight in zip(reward_funcs, weights, strict=True):
         name = reward_name(fn)
         try:
-            scores = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            scores = call_with_timeout(
+                fn,
+                timeout,
+                prompts=prompts,
+                completions=completions,
+                completion_ids=completion_ids,
+                **columns,
+            )
+        except RewardTimeout:
+            raise RewardFunctionError(
+                f"reward function {name!r} did not return within reward_timeout = {timeout:g} s "
+                f"(scoring {len(completions)} completions, the first {_excerpt(completions[0]) if completions else ''}); "
+                "make it faster, or raise or remove reward_timeout"
+            ) from None
         except Exception as error:  # a user's function: report which one, on which sample
             index = _first_failing_sample(fn, prompts, completions, completion_ids, columns)
             where = (
@@ -51,6 +67,36 @@ def score_completions(
         per_function[name] = values
         total += weight * torch.nan_to_num(values, nan=0.0)
     return total, per_function
+
+
+class RewardTimeout(Exception):
+    """A reward function call ran past its time limit."""
+
+
+def call_with_timeout(fn: Callable[..., Any], timeout: float | None, **kwargs: Any) -> Any:
+    """``fn(**kwargs)``, or :class:`RewardTimeout` after ``timeout`` seconds.
+
+    The call runs on a daemon thread that is abandoned (not killed) on timeout: the run ends anyway, and a
+    thread stuck in C code that holds the interpreter lock cannot be interrupted by any in-process means.
+    """
+    if timeout is None:
+        return fn(**kwargs)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(**kwargs)
+        except BaseException as error:  # handed back to the caller's thread below
+            outcome["error"] = error
+
+    worker = threading.Thread(target=run, name=f"reward-{reward_name(fn)}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise RewardTimeout
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _first_failing_sample(

@@ -37,8 +37,12 @@ _TIE_RTOL = 1e-10
 def max_variance(rewards: torch.Tensor, m: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """Exact max-variance subset of size m per row, in O(n log n) per row, vectorised over rows."""
     num_groups, n = rewards.shape
-    # Centre each row first so that large offsets (1e6 + noise) do not cancel in E[r^2] - E[r]^2.
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    # Bring each row to [-1, 1], centre it (so that large offsets such as 1e6 + noise do not cancel in
+    # E[r^2] - E[r]^2), then scale the deviations to [-1, 1]: squares neither overflow (rewards above
+    # ~1e154) nor underflow (spreads below ~1e-154). Scaling a row does not change its best subset.
+    centred = rewards / _row_scale(rewards)
+    centred = centred - centred.mean(dim=1, keepdim=True)
+    centred = centred / _row_scale(centred)
     ascending, order = torch.sort(centred, dim=1, stable=True)
     zeros = centred.new_zeros(num_groups, 1)
     prefix = torch.cat([zeros, ascending.cumsum(dim=1)], dim=1)  # prefix[:, i] = sum of i lowest
@@ -59,6 +63,12 @@ def max_variance(rewards: torch.Tensor, m: int, generator: torch.Generator | Non
     positions = torch.arange(m, device=rewards.device).expand(num_groups, m)
     sorted_positions = torch.where(positions < m - best_top, positions, positions + (n - m))
     return order.gather(1, sorted_positions)
+
+
+def _row_scale(values: torch.Tensor) -> torch.Tensor:
+    """Each row's largest magnitude, or 1 for an all-zero row: ``[G, 1]``."""
+    scale = values.abs().amax(dim=1, keepdim=True)
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 def max_reward(rewards: torch.Tensor, m: int, generator: torch.Generator | None = None) -> torch.Tensor:

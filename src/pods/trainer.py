@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -24,31 +25,32 @@ from typing import Any
 
 import torch
 
-from pods.advantages import group_advantages, zero_variance_groups
+from pods.advantages import downsample, nanstd
 from pods.auto_generations import AutoGenerations
 from pods.checkpoint import (
+    STATE_FILE,
     TrainerState,
+    checkpoint_problem,
     latest_checkpoint,
+    list_checkpoint_folders,
     load_checkpoint,
+    newest_intact_checkpoint,
     remove_partial_checkpoints,
     save_checkpoint,
 )
 from pods.config import ConfigError, TrainConfig
 from pods.evaluation import EvalResult, evaluate
+from pods.interrupts import StopRequests, TrainingStopped
 from pods.loss import completion_logprobs, policy_loss
-from pods.metrics import JsonlLog, read_jsonl
+from pods.metrics import JsonlLog, read_jsonl, reward_metrics
 from pods.models import Policy, load_policy, load_reference
 from pods.progress import TrainingProgress
 from pods.rollout import HFGenerateEngine, Rollouts, SamplingParams
 from pods.scoring import RewardFunction, reward_name, score_completions
-from pods.selection import select
 
-ACCURACY_REWARDS = {
-    "gsm8k": "accuracy",
-    "arith": "accuracy",
-    "math500": "math_accuracy",
-    "math": "math_accuracy",
-}
+
+class NonFiniteError(RuntimeError):
+    """``max_consecutive_skips`` optimizer steps in a row had a non-finite loss or gradient norm."""
 
 
 @dataclass
@@ -129,17 +131,22 @@ class PODSTrainer:
         from accelerate import Accelerator, PartialState
         from accelerate.utils import broadcast_object_list, parse_flag_from_env
 
+        from pods.data import get_task
+
         self.config = cfg = config
         if reward_funcs is None:
             cfg.check_names()
             from pods.rewards import get_reward_functions
 
-            reward_funcs = get_reward_functions(cfg.reward_funcs)
+            self.task = get_task(cfg.task)
+            reward_funcs = get_reward_functions(cfg.reward_funcs or list(self.task.reward_funcs))
         else:
             from pods.selection import get_rule
 
             get_rule(cfg.selection_rule)
+            self.task = get_task(cfg.task)
         self.reward_funcs = reward_funcs
+        self.prompt_style = cfg.prompt_style or self.task.prompt_style
         if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_funcs):
             raise ConfigError(
                 f"reward_weights: {len(cfg.reward_weights)} weights for {len(reward_funcs)} functions"
@@ -165,6 +172,7 @@ class PODSTrainer:
             cfg.save(self.output_dir / "config.yaml")
         acc.wait_for_everyone()
         self.checkpoint_root = self.output_dir / "checkpoints"
+        self._saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint written or loaded
         self.metrics_log = JsonlLog(self.output_dir / "metrics.jsonl", enabled=acc.is_main_process)
         self.eval_log = JsonlLog(self.output_dir / "eval.jsonl", enabled=acc.is_main_process)
         self.auto = None  # num_generations: auto chooses n as it runs (pods.auto_generations)
@@ -186,13 +194,12 @@ class PODSTrainer:
             train_dataset, cfg.task, cfg.task_source, cfg.train_split, cfg.train_limit
         )
         self.eval_dataset = eval_dataset if eval_dataset is not None else self._load_eval_dataset()
-        self.accuracy_fn = self._accuracy_function()
+        self.accuracy_fn = get_task(cfg.eval_task or cfg.task).accuracy_function()
 
         trainable = [p for p in self.policy.model.parameters() if p.requires_grad]
         optimizer = self._make_optimizer(trainable)
         self.scheduler = self._make_scheduler(optimizer)
         self.model, self.optimizer = acc.prepare(self.policy.model, optimizer)
-        acc.register_for_checkpointing(self.scheduler)  # stepped by us, once per optimizer step
         self.reference = None
         if cfg.beta > 0 and not self.policy.is_lora:
             self.reference = load_reference(cfg).to(acc.device)
@@ -221,10 +228,12 @@ class PODSTrainer:
         cfg, acc = self.config, self.accelerator
         m = cfg.num_generations_kept
         state = self._resume_or_start()
-        with TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time) as progress:
+        stop = StopRequests(reduce_max=self._synced_max if acc.num_processes > 1 else None)
+        progress = TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time)
+        with stop, progress:
             if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
                 self._evaluate(state, progress)
-            while not self._finished(state):
+            while not self._finished(state) and not stop.agreed():
                 timer = StepTimer()
                 self._seed_step(state.step)
                 batch = self.prompts.batch(state.step)
@@ -235,20 +244,23 @@ class PODSTrainer:
                 with timer("score"):  # 2. one scalar reward per completion: [P, n]
                     rewards, per_function = self._score(batch, rollouts)
                 with timer("select"):  # 3. m of n per group, and 4. advantages over the kept
-                    kept = select(
-                        rewards, m, cfg.selection_rule, generator=self._selection_generator(state.step)
+                    chosen = downsample(
+                        rewards,
+                        m,
+                        cfg.selection_rule,
+                        scale=cfg.scale_rewards,
+                        eps=cfg.advantage_eps,
+                        generator=self._selection_generator(state.step),
+                        gather=self._gather,
                     )
-                    kept_rewards = rewards.gather(1, kept)
-                    advantages = group_advantages(kept_rewards, cfg.scale_rewards, cfg.advantage_eps)
-                    rows = (kept + n * torch.arange(len(batch)).unsqueeze(1)).flatten()
-                    kept_rollouts = rollouts.select(rows)
+                    kept_rollouts = rollouts.select(chosen.rows)
                 with timer("update"):  # 5. the GRPO update on the kept rows only
-                    update = self._update(kept_rollouts, advantages.flatten())
+                    update = self._update(state, kept_rollouts, chosen.advantages.flatten())
 
                 state.step += 1
                 state.train_seconds += self._synced(timer.total)
                 metrics = self._step_metrics(
-                    state, timer, rollouts, rewards, kept_rewards, per_function, update
+                    state, timer, rollouts, rewards, chosen.rewards, per_function, update
                 )
                 self.metrics_log.append(metrics)
                 if self.auto:
@@ -262,13 +274,18 @@ class PODSTrainer:
                 if self._save_due(state):
                     self._save(state)
 
-            if state.last_eval_seconds != state.train_seconds and (
-                cfg.eval_at_start or cfg.eval_every_seconds
+            stopped = stop.agreed()  # once more on every process: a signal during the last step counts
+            if (
+                not stopped
+                and state.last_eval_seconds != state.train_seconds
+                and (cfg.eval_at_start or cfg.eval_every_seconds)
             ):
                 self._evaluate(state, progress)
-            checkpoint = self._save(state) if cfg.save_final else None
+            checkpoint = self._save(state) if cfg.save_final or stopped else None
         if cfg.report_to:
             acc.end_training()
+        if stopped:
+            raise TrainingStopped(stop.agreed_signal, state.step, checkpoint, self.output_dir)
         evals = read_jsonl(self.eval_log.path) if self.eval_log.path.is_file() else []
         return TrainResult(self.output_dir, state.step, state.train_seconds, evals, checkpoint)
 
@@ -289,12 +306,18 @@ class PODSTrainer:
             for ids, mask in zip(rollouts.completion_ids, rollouts.completion_mask, strict=True)
         ]
         total, per_function = score_completions(
-            self.reward_funcs, self.config.reward_weights, prompts, rollouts.texts, completion_ids, columns
+            self.reward_funcs,
+            self.config.reward_weights,
+            prompts,
+            rollouts.texts,
+            completion_ids,
+            columns,
+            timeout=self.config.reward_timeout,
         )
         shape = (len(batch), n)
         return total.view(shape), {name: values.view(shape) for name, values in per_function.items()}
 
-    def _update(self, batch: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
+    def _update(self, state: TrainerState, batch: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
         """Gradient steps on the kept rows: micro-batches accumulated, ``num_iterations`` passes."""
         cfg, acc, model = self.config, self.accelerator, self.model
         device = acc.device
@@ -303,7 +326,7 @@ class PODSTrainer:
         advantages = advantages.to(device=device, dtype=torch.float32)
         rows, micro = completion_ids.shape[0], cfg.micro_batch_size
         temperature = cfg.temperature if cfg.temperature > 0 else 1.0
-        # dapo/bnpo divide by the tokens of the whole batch across processes; DDP averages gradients.
+        # dapo divides by the tokens of the whole batch across processes; DDP averages gradients.
         total_tokens = self._synced_sum(mask.sum().double()) / acc.num_processes
 
         def logprobs_of(net: torch.nn.Module, part: slice) -> torch.Tensor:
@@ -326,8 +349,14 @@ class PODSTrainer:
                 ref_logprobs = torch.cat([logprobs_of(reference, part) for part in parts])
 
         model.train()
-        totals = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
-        grad_norms = []
+        statistics = {
+            "kl": "kl",
+            "clip_ratio/low_mean": "clip_low_fraction",
+            "clip_ratio/high_mean": "clip_high_fraction",
+            "clip_ratio/region_mean": "clip_fraction",
+        }
+        totals = {"loss": 0.0, **dict.fromkeys(statistics, 0.0)}
+        grad_norms, finite = [], True
         for _ in range(cfg.num_iterations):
             for part in parts:
                 # accelerate syncs gradients (DDP / DeepSpeed / FSDP) and lets the optimizer step only on
@@ -349,17 +378,40 @@ class PODSTrainer:
                         max_completion_length=cfg.max_completion_length,
                     )
                     acc.backward(out.loss * acc.gradient_accumulation_steps)
+                    finite = finite and math.isfinite(out.loss.item())
                     if acc.sync_gradients:
-                        grad_norms.append(float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
-                    self.optimizer.step()
-                    if acc.sync_gradients:
-                        self.scheduler.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                        grad_norm = float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                        grad_norms.append(grad_norm)
+                        if self._step_is_finite(state, finite and math.isfinite(grad_norm)):
+                            self.optimizer.step()
+                            self.scheduler.step()
+                        finite = True
+                    self.optimizer.zero_grad(set_to_none=True)  # accelerate clears only after a sync
                 weight = 1 / (len(parts) * cfg.num_iterations)
                 totals["loss"] += out.loss.item() / cfg.num_iterations
-                totals["kl"] += out.kl.item() * weight
-                totals["clip_fraction"] += out.clip_fraction.item() * weight
+                for name, attribute in statistics.items():
+                    totals[name] += getattr(out, attribute).item() * weight
         return {**totals, "grad_norm": sum(grad_norms) / len(grad_norms)}
+
+    def _step_is_finite(self, state: TrainerState, finite: bool) -> bool:
+        """The non-finite guard: a NaN/inf loss or gradient norm on any process skips the optimizer step
+        (weights, optimizer and scheduler unchanged); ``max_consecutive_skips`` in a row end the run."""
+        if self.accelerator.num_processes > 1:
+            finite = not self._synced_max(int(not finite))
+        if finite:
+            state.consecutive_skips = 0
+            return True
+        state.skipped_steps += 1
+        state.consecutive_skips += 1
+        limit = self.config.max_consecutive_skips
+        if state.consecutive_skips >= limit:
+            raise NonFiniteError(
+                f"{limit} optimizer steps in a row had a non-finite (NaN or infinite) loss or gradient norm, "
+                f"at training step {state.step + 1}; they were skipped, so the weights are those of the last "
+                f"good step and the checkpoints in {self.checkpoint_root} are intact. Lower learning_rate or "
+                "max_grad_norm, or train in float32 (mixed_precision: no); max_consecutive_skips sets this limit"
+            )
+        return False
 
     @contextlib.contextmanager
     def _reference(self):
@@ -393,19 +445,23 @@ class PODSTrainer:
             "epoch": round(self.prompts.epoch(state.step), 4),
             "train_seconds": round(state.train_seconds, 3),
             "num_generations": rewards.shape[1],
-            "reward_mean_all": all_rewards.mean().item(),
-            "reward_std_all": all_rewards.std(dim=1).mean().item() if all_rewards.shape[1] > 1 else 0.0,
-            "reward_mean_kept": kept.mean().item(),
-            "reward_std_kept": kept.std(dim=1).mean().item(),
-            "zero_variance_fraction_all": zero_variance_groups(all_rewards).double().mean().item(),
-            "zero_variance_fraction_kept": zero_variance_groups(kept).double().mean().item(),
-            "completion_length_mean": lengths.mean().item(),
-            "truncation_rate": truncated.mean().item(),
-            "learning_rate": self.scheduler.get_last_lr()[0],
-            **{key: self._synced_mean(value) for key, value in update.items()},
+            **reward_metrics(all_rewards, kept),
+            "skipped_steps": state.skipped_steps,
         }
         for name, values in per_function.items():
-            metrics[f"reward/{name}"] = gather(torch.nan_to_num(values)).mean().item()
+            values = gather(values)
+            metrics[f"rewards/{name}/mean"] = values.nanmean().item()
+            metrics[f"rewards/{name}/std"] = nanstd(values.reshape(1, -1), dim=1).item()
+        metrics.update(
+            {
+                "completions/mean_length": lengths.mean().item(),
+                "completions/min_length": lengths.min().item(),
+                "completions/max_length": lengths.max().item(),
+                "completions/clipped_ratio": truncated.mean().item(),
+                "learning_rate": self.scheduler.get_last_lr()[0],
+                **{key: self._synced_mean(value) for key, value in update.items()},
+            }
+        )
         accuracy_name = reward_name(self.accuracy_fn)
         if accuracy_name in per_function:
             metrics["accuracy"] = (
@@ -427,9 +483,8 @@ class PODSTrainer:
     ) -> None:
         """``num_generations: auto``: record this step's successes per group (the accuracy reward above
         0.5, else the summed reward above 0.5) and timings, over every process; re-decide n when due."""
-        acc = self.accelerator
         scores = torch.nan_to_num(per_function.get(reward_name(self.accuracy_fn), rewards))
-        successes = acc.gather((scores > 0.5).sum(dim=1).to(acc.device)).cpu().tolist()
+        successes = self._gather((scores > 0.5).sum(dim=1)).cpu().tolist()
         generate = self._synced(sum(timer.seconds.get(k, 0.0) for k in ("generate", "score", "select")))
         other = self._synced(timer.seconds.get("update", 0.0))
         self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, generate, other))
@@ -437,12 +492,21 @@ class PODSTrainer:
         if decision is not None:
             self.auto_log.append({"kind": "decision", **decision.to_dict()})
 
+    def _gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Every process's ``values`` (equal shapes), concatenated along the first dimension."""
+        if self.accelerator.num_processes == 1:
+            return values
+        return self.accelerator.gather(values.to(self.accelerator.device)).to(values.device)
+
     def _synced(self, seconds: float) -> float:
         """The slowest process's value, so every process takes the same clock-based decisions."""
         if self.accelerator.num_processes == 1:
             return seconds
         value = torch.tensor(seconds, dtype=torch.float64, device=self.accelerator.device)
         return float(self.accelerator.reduce(value, "max"))
+
+    def _synced_max(self, value: int) -> int:
+        return int(self.accelerator.reduce(torch.tensor(value, device=self.accelerator.device), "max"))
 
     def _synced_sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.accelerator.num_processes == 1:
@@ -468,7 +532,7 @@ class PODSTrainer:
             temperature=cfg.eval_temperature,
             max_new_tokens=cfg.max_completion_length,
             batch_size=cfg.eval_batch_size,
-            prompt_style=cfg.prompt_style,
+            prompt_style=self.prompt_style,
             stop_strings=tuple(cfg.stop_strings),
             accelerator=self.accelerator,
         )
@@ -495,10 +559,19 @@ class PODSTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, state: TrainerState) -> Path:
+        if self._saved is not None and self._saved[0] == state.step:
+            return self._saved[1]  # already saved (or resumed from) at this step
         state.last_save_seconds = state.train_seconds
-        return save_checkpoint(
-            self.accelerator, self.checkpoint_root, state, self.config.save_total_limit, export=self._export
+        folder = save_checkpoint(
+            self.accelerator,
+            self.checkpoint_root,
+            state,
+            self.config.save_total_limit,
+            export=self._export,
+            scheduler=self.scheduler,
         )
+        self._saved = (state.step, folder)
+        return folder
 
     def _export(self, folder: Path) -> None:
         """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``."""
@@ -531,29 +604,64 @@ class PODSTrainer:
             self.auto_log.reset()
             return TrainerState()
         folder = self._checkpoint_to_resume(source)
-        if folder is None:
+        if folder is None:  # resume_from: auto in a folder without checkpoints: a fresh start
+            self.metrics_log.reset()
+            self.eval_log.reset()
             return TrainerState()
-        state = load_checkpoint(self.accelerator, folder)
+        try:
+            state = load_checkpoint(self.accelerator, folder, self.scheduler)
+        except Exception as error:  # e.g. a pickle that weights_only=True refuses, a mismatched model
+            raise ConfigError(
+                f"resume_from: could not load checkpoint {folder} ({type(error).__name__}: "
+                f"{str(error).strip().splitlines()[0] if str(error).strip() else 'no details'}); "
+                "only resume checkpoints you trust, written by this run's model and settings"
+            ) from error
+        self._saved = (state.step, folder)
         self.metrics_log.truncate_after(state.step)
         if self.auto is not None:  # replay n's observations and decisions up to the checkpoint
             self.auto_log.truncate_after(state.step)
             self.accelerator.wait_for_everyone()
             if self.auto_log.path.is_file():
                 self.auto.restore([r for r in read_jsonl(self.auto_log.path) if r["step"] <= state.step])
-        if state.last_eval_seconds is not None:
-            self.eval_log.truncate_after(state.step)
+        self.eval_log.truncate_after(state.step)
         return state
 
     def _checkpoint_to_resume(self, source: str) -> Path | None:
-        if source == "auto":
-            return latest_checkpoint(self.checkpoint_root)
+        """The verified checkpoint to resume from, chosen on the main process and shared with the others."""
+        acc = self.accelerator
+        choice: tuple[str | None, str | None] = (None, None)  # (folder, error)
+        if acc.is_main_process:
+            try:
+                folder = self._find_checkpoint(source)
+                choice = (str(folder) if folder else None, None)
+            except ConfigError as error:
+                choice = (None, str(error))
+        if acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            choice = tuple(broadcast_object_list(list(choice)))
+        if choice[1] is not None:
+            raise ConfigError(choice[1])
+        return Path(choice[0]) if choice[0] else None
+
+    def _find_checkpoint(self, source: str) -> Path | None:
         path = Path(source)
-        if (path / "trainer_state.json").is_file():
+        if source != "auto" and (path / STATE_FILE).is_file():
+            problem = checkpoint_problem(path)
+            if problem is not None:
+                raise ConfigError(
+                    f"resume_from: checkpoint {path} is damaged: {problem}; resume from another checkpoint "
+                    f"(resume_from: auto picks the newest intact one in {path.parent.parent})"
+                )
             return path
-        found = latest_checkpoint(path / "checkpoints")
-        if found is None:
+        root = self.checkpoint_root if source == "auto" else path / "checkpoints"
+        found = newest_intact_checkpoint(
+            root, warn=lambda text: print(f"pods: warning: {text}", file=sys.stderr)
+        )
+        if found is None and (source != "auto" or list_checkpoint_folders(root)):
             raise ConfigError(
-                f"resume_from: no complete checkpoint in {path} (expected {path}/checkpoints/step-N)"
+                f"resume_from: no intact checkpoint in {root} (expected {root}/step-N with its {STATE_FILE} "
+                "and manifest.json); choose another output_dir to start afresh"
             )
         return found
 
@@ -579,7 +687,7 @@ class PODSTrainer:
             return cfg.output_dir
         if cfg.resume_from and cfg.resume_from != "auto":
             path = Path(cfg.resume_from)
-            return str(path.parent.parent if (path / "trainer_state.json").is_file() else path)
+            return str(path.parent.parent if (path / STATE_FILE).is_file() else path)
         return str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
 
     def _load_rows(
@@ -592,7 +700,7 @@ class PODSTrainer:
                 task,
                 split,
                 source=source,
-                prompt_style=self.config.prompt_style,
+                prompt_style=self.prompt_style,
                 tokenizer=self.tokenizer,
                 max_prompt_tokens=self.config.max_prompt_length,
                 limit=limit,
@@ -610,18 +718,12 @@ class PODSTrainer:
             cfg.eval_task or cfg.task,
             cfg.eval_split,
             source=cfg.eval_source if cfg.eval_task else (cfg.eval_source or cfg.task_source),
-            prompt_style=cfg.prompt_style,
+            prompt_style=self.prompt_style,
             tokenizer=self.tokenizer,
             max_prompt_tokens=cfg.max_prompt_length,
             limit=cfg.eval_limit,
             seed=cfg.seed,
         )
-
-    def _accuracy_function(self) -> RewardFunction:
-        from pods.rewards import REWARD_FUNCTIONS
-
-        task = self.config.eval_task or self.config.task
-        return REWARD_FUNCTIONS[ACCURACY_REWARDS.get(task, "accuracy")]
 
     def _make_optimizer(self, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         cfg = self.config
@@ -660,5 +762,5 @@ def _peak_memory_mb() -> float:
 
 
 def train(config: TrainConfig, **kwargs: Any) -> TrainResult:
-    """Build a :class:`PODSTrainer` from ``config`` and run it."""
+    """Build a :class:`PODSTrainer` from ``config`` and run it (raises :class:`TrainingStopped` on SIGTERM/SIGINT)."""
     return PODSTrainer(config, **kwargs).train()

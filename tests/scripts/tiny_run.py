@@ -3,19 +3,22 @@
     python tests/scripts/tiny_run.py MODEL_DIR OUTPUT_DIR '{"max_steps": 4, ...}'
     accelerate launch --cpu --num_processes 2 tests/scripts/tiny_run.py MODEL_DIR OUTPUT_DIR '{...}'
 
-Prints one line per process: ``RESULT <rank> <steps> <parameter checksum> <first prompt of step 0>``.
+Prints one line per process: ``RESULT <rank> <steps> <parameter checksum> <first prompt of step 0>``, or
+``STOPPED <rank> <signal> <step> <checkpoint>`` after a graceful stop (exit status 128 + the signal's number).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import torch
 from datasets import Dataset
 
 from pods.config import TrainConfig
-from pods.trainer import PODSTrainer
+from pods.trainer import PODSTrainer, TrainingStopped
 
 # A few-second run of the tiny test model: 2 prompts x n=4, m=2 kept, 8 new tokens, 2 steps, no eval.
 TINY_SETTINGS = {
@@ -44,6 +47,13 @@ def low_token_ids(prompts, completions, completion_ids=None, **columns) -> list[
     return [sum(token < 160 for token in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
+def slow_count_of_a(prompts, completions, completion_ids=None, **columns) -> list[float]:
+    """count_of_a after a pause of TINY_RUN_REWARD_SLEEP seconds: a step long enough to signal mid-step."""
+    print("REWARD CALL", flush=True)
+    time.sleep(float(os.environ["TINY_RUN_REWARD_SLEEP"]))
+    return count_of_a(prompts, completions)
+
+
 def tiny_dataset(size: int = 64) -> Dataset:
     questions = [f"Question {i}: say a{'b' * (i % 5)}" for i in range(size)]
     return Dataset.from_dict(
@@ -55,17 +65,30 @@ def main() -> None:
     model_dir, output_dir, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     settings = {"model": model_dir, "output_dir": output_dir, **TINY_SETTINGS, **overrides}
     trainer = PODSTrainer(
-        TrainConfig.from_dict(settings), reward_funcs=[count_of_a], train_dataset=tiny_dataset()
+        TrainConfig.from_dict(settings),
+        reward_funcs=[slow_count_of_a if "TINY_RUN_REWARD_SLEEP" in os.environ else count_of_a],
+        train_dataset=tiny_dataset(),
     )
     first_prompt = trainer.prompts.batch(0)[0]["question"]
     print(f"distributed: {trainer.accelerator.distributed_type.value}", flush=True)
-    result = trainer.train()
+    try:
+        result = trainer.train()
+    except TrainingStopped as stopped:
+        rank = trainer.accelerator.process_index
+        print(f"STOPPED {rank} {stopped.signal_name} {stopped.step} {stopped.checkpoint}", flush=True)
+        save_weights(trainer, output_dir)
+        sys.exit(stopped.exit_code)
     model = trainer.accelerator.unwrap_model(trainer.model)
     checksum = sum(float(p.double().sum()) * (i + 1) for i, p in enumerate(model.parameters()))
     print(
         f"RESULT {trainer.accelerator.process_index} {result.steps} {checksum:.12e} {first_prompt!r}",
         flush=True,
     )
+    save_weights(trainer, output_dir)
+
+
+def save_weights(trainer: PODSTrainer, output_dir: str) -> None:
+    model = trainer.accelerator.unwrap_model(trainer.model)
     torch.save(
         {k: v.detach().clone() for k, v in model.state_dict().items()},
         f"{output_dir}/weights-rank{trainer.accelerator.process_index}.pt",

@@ -217,75 +217,32 @@ def supervised_pairs(
     return pairs
 
 
-def load_arith(
-    split: str = "train",
-    *,
-    prompt_style: str = "plain",
-    limit: int | None = None,
-    seed: int = 0,
-    tokenizer: Any = None,
-    max_prompt_tokens: int | None = None,
-    num_problems: int | None = None,
-    difficulty: int | None = None,
-    source: str | None = None,
-    system_prompt: str | None = None,
-    template: str | None = None,
-    **kwargs: Any,
-):
-    """The task as a ``datasets.Dataset`` with columns question, answer (str), solution (gold, GSM8K form),
-    prompt and has_gives (whether the misconception step occurs).
-
-    ``prompt_style="plain"`` gives the text the shipped base model was trained on; ``"chat"`` and
-    ``"raw"`` build the paper's prompts with :func:`pods.prompts.make_prompt` (for other models).
-    ``num_problems`` defaults to 20,000 (train) / 1,000 (test); ``limit`` keeps the first rows after
-    dropping prompts longer than ``max_prompt_tokens`` (counted with ``tokenizer``).
-    """
-    from datasets import Dataset
-
-    if kwargs:
-        raise ValueError(
-            f"load_arith got unknown arguments {sorted(kwargs)}; valid ones are split, prompt_style, limit, "
-            "seed, tokenizer, max_prompt_tokens, num_problems, difficulty, system_prompt, template"
-        )
-    if source is not None:
-        raise ValueError(
-            f"the arith task is generated, not read from a file or the Hub; drop source={source!r}"
-        )
+def read_arith(
+    split: str = "train", *, seed: int = 0, num_problems: int | None = None, difficulty: int | None = None
+) -> list[dict[str, Any]]:
+    """Rows of the task: question, answer (str), solution (gold, GSM8K form) and has_gives (whether the
+    misconception step occurs). ``num_problems`` defaults to 20,000 (train) / 1,000 (test)."""
     if split not in DEFAULT_SIZES:
         raise ValueError(f"split must be 'train' or 'test' for the arith task, got {split!r}")
-    if prompt_style not in ("plain", "chat", "raw"):
-        raise ValueError(
-            f"prompt_style must be 'plain' (the base model's format), 'chat' or 'raw'; got {prompt_style!r}"
-        )
-    if max_prompt_tokens is not None and tokenizer is None:
-        raise ValueError("max_prompt_tokens needs a tokenizer to count tokens; pass tokenizer=...")
-    if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
     spec = spec_for_difficulty(1 if difficulty is None else difficulty)
-    count = num_problems if num_problems is not None else max(DEFAULT_SIZES[split], limit or 0)
-    problems = generate_problems(count, seed=seed, spec=spec, split=split)
-    if prompt_style == "plain" and template is None:
-        prompts: list[Any] = [format_prompt(p.question) for p in problems]
-    else:
-        from pods.prompts import make_prompt
-
-        prompts = [
-            make_prompt(p.question, prompt_style, system_prompt=system_prompt, template=template)
-            for p in problems
-        ]
-    keep = list(range(len(problems)))
-    if max_prompt_tokens is not None:
-        from pods.prompts import render_prompt
-
-        lengths = [len(ids) for ids in tokenizer([render_prompt(p, tokenizer) for p in prompts])["input_ids"]]
-        keep = [i for i in keep if lengths[i] <= max_prompt_tokens]
-    keep = keep[:limit] if limit is not None else keep
-    return Dataset.from_dict(
+    count = num_problems if num_problems is not None else DEFAULT_SIZES[split]
+    return [
         {
-            "question": [problems[i].question for i in keep],
-            "answer": [str(problems[i].answer) for i in keep],
-            "solution": [format_solution(problems[i]) for i in keep],
-            "prompt": [prompts[i] for i in keep],
-            "has_gives": [problems[i].has_gives for i in keep],
+            "question": problem.question,
+            "answer": str(problem.answer),
+            "solution": format_solution(problem),
+            "has_gives": problem.has_gives,
         }
-    )
+        for problem in generate_problems(count, seed=seed, spec=spec, split=split)
+    ]
+
+
+def load_arith(split: str = "train", **options: Any):
+    """The task as a ``datasets.Dataset`` (see :meth:`pods.data.task.Task.load` for the options).
+
+    ``prompt_style="plain"`` (the default) gives the text the shipped base model was trained on;
+    ``"chat"`` and ``"raw"`` build the paper's prompts with :func:`pods.prompts.make_prompt`.
+    """
+    from pods.data import get_task
+
+    return get_task("arith").load(split, **options)

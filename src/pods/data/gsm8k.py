@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pods.data.common import TaskDataError, finish_rows, load_records
+from pods.data.common import TaskDataError, load_records
 
-__all__ = ["GSM8K_HUB_NAME", "gsm8k_gold_answer", "load_gsm8k"]
+__all__ = ["GSM8K_HUB_NAME", "gsm8k_gold_answer", "read_gsm8k"]
 
 GSM8K_HUB_NAME = "openai/gsm8k"
 SPLITS = ("train", "test")
@@ -26,22 +26,11 @@ def gsm8k_gold_answer(solution: str, where: str = "solution") -> str:
     return answer
 
 
-def load_gsm8k(
-    split: str = "train",
-    *,
-    source: str | os.PathLike[str] | None = None,
-    config: str = "main",
-    prompt_style: str = "chat",
-    tokenizer: Any = None,
-    max_prompt_tokens: int | None = None,
-    limit: int | None = None,
-    seed: int = 0,
-    shuffle: bool = False,
-    system_prompt: str | None = None,
-    template: str | None = None,
-) -> Any:
-    """GSM8K ``split`` from the Hub (default ``openai/gsm8k``, config ``main``) or a local JSONL /
-    Parquet file or folder, as a ``datasets.Dataset`` with prompts and gold answers."""
+def read_gsm8k(
+    split: str = "train", *, source: str | os.PathLike[str] | None = None, config: str = "main"
+) -> list[dict[str, Any]]:
+    """GSM8K ``split`` rows from the Hub (default ``openai/gsm8k``, config ``main``) or a local JSONL /
+    Parquet file or folder, with the gold number as ``answer`` and the worked text as ``solution``."""
     if split not in SPLITS:
         raise TaskDataError(f"GSM8K has splits {list(SPLITS)}, not {split!r}.")
     records = load_records(source or GSM8K_HUB_NAME, split, config=config, required=("question", "answer"))
@@ -49,14 +38,4 @@ def load_gsm8k(
     for where, row in records:
         solution = str(row["answer"])
         rows.append({**row, "solution": solution, "answer": gsm8k_gold_answer(solution, where)})
-    return finish_rows(
-        rows,
-        prompt_style=prompt_style,
-        tokenizer=tokenizer,
-        max_prompt_tokens=max_prompt_tokens,
-        limit=limit,
-        seed=seed,
-        shuffle=shuffle,
-        system_prompt=system_prompt,
-        template=template,
-    )
+    return rows

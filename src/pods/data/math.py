@@ -15,10 +15,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pods.data.common import TaskDataError, finish_rows, is_local_source, load_records
+from pods.data.common import TaskDataError, is_local_source, load_records
 from pods.rewards.extract import find_boxed
 
-__all__ = ["MATH500_HUB_NAME", "MATH_HUB_NAME", "MATH_SUBJECTS", "load_math", "load_math500"]
+__all__ = ["MATH500_HUB_NAME", "MATH_HUB_NAME", "MATH_SUBJECTS", "read_math", "read_math500"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,58 +35,30 @@ MATH_SUBJECTS = (
 )
 
 
-def _finish(rows: list[dict[str, Any]], **options: Any) -> Any:
+def _with_question(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         row["question"] = str(row["problem"])
         row["answer"] = str(row["answer"])
-    return finish_rows(rows, **options)
+    return rows
 
 
-def load_math500(
-    split: str = "test",
-    *,
-    source: str | os.PathLike[str] | None = None,
-    prompt_style: str = "chat",
-    tokenizer: Any = None,
-    max_prompt_tokens: int | None = None,
-    limit: int | None = None,
-    seed: int = 0,
-    shuffle: bool = False,
-    system_prompt: str | None = None,
-    template: str | None = None,
-) -> Any:
-    """MATH-500 (test split only) from the Hub or a local JSONL / Parquet file or folder."""
+def read_math500(
+    split: str = "test", *, source: str | os.PathLike[str] | None = None
+) -> list[dict[str, Any]]:
+    """MATH-500 rows (test split only) from the Hub or a local JSONL / Parquet file or folder."""
     if split != "test":
         raise TaskDataError(f"MATH-500 has only a 'test' split, not {split!r}; pass split='test'.")
     records = load_records(source or MATH500_HUB_NAME, split, required=("problem", "solution", "answer"))
-    return _finish(
-        [dict(row) for _, row in records],
-        prompt_style=prompt_style,
-        tokenizer=tokenizer,
-        max_prompt_tokens=max_prompt_tokens,
-        limit=limit,
-        seed=seed,
-        shuffle=shuffle,
-        system_prompt=system_prompt,
-        template=template,
-    )
+    return _with_question([dict(row) for _, row in records])
 
 
-def load_math(
+def read_math(
     split: str = "train",
     *,
     source: str | os.PathLike[str] | None = None,
     subjects: list[str] | tuple[str, ...] | None = None,
-    prompt_style: str = "chat",
-    tokenizer: Any = None,
-    max_prompt_tokens: int | None = None,
-    limit: int | None = None,
-    seed: int = 0,
-    shuffle: bool = False,
-    system_prompt: str | None = None,
-    template: str | None = None,
-) -> Any:
-    """The MATH train or test set (all subjects, or ``subjects``) from the Hub or a local file or
+) -> list[dict[str, Any]]:
+    """Rows of the MATH train or test set (all subjects, or ``subjects``) from the Hub or a local file or
     folder (a Hub-style folder has one sub-folder per subject). Rows whose solution has no
     ``\\boxed{}`` answer are dropped with a warning."""
     if split not in ("train", "test"):
@@ -112,14 +84,4 @@ def load_math(
         rows.append({**row, "answer": answer})
     if dropped:
         logger.warning("MATH %s: dropped %d row(s) whose solution has no \\boxed{} answer.", split, dropped)
-    return _finish(
-        rows,
-        prompt_style=prompt_style,
-        tokenizer=tokenizer,
-        max_prompt_tokens=max_prompt_tokens,
-        limit=limit,
-        seed=seed,
-        shuffle=shuffle,
-        system_prompt=system_prompt,
-        template=template,
-    )
+    return _with_question(rows)

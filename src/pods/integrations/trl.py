@@ -30,8 +30,9 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("pods.integrations.trl needs TRL; install it with: pip install 'pods[trl]'") from error
 
-from pods.advantages import group_advantages, zero_variance_groups
-from pods.selection import available_rules, select
+from pods.advantages import downsample
+from pods.metrics import reward_metrics
+from pods.selection import available_rules
 
 __all__ = [
     "TESTED_TRL_VERSION",
@@ -39,8 +40,6 @@ __all__ = [
     "PODSTrainer",
     "advantage_scale",
     "check_batch_arithmetic",
-    "kept_row_indices",
-    "selection_metrics",
     "summed_rewards",
     "take_rows",
 ]
@@ -118,13 +117,6 @@ def summed_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> tor
     return (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
 
 
-def kept_row_indices(kept: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """Flat row indices ``[G * m]`` of the kept completions, from per-group positions ``kept[G, m]``
-    (group g occupies rows g*n .. g*n + n - 1, as TRL lays them out)."""
-    offsets = torch.arange(kept.shape[0], device=kept.device).unsqueeze(1) * num_generations
-    return (offsets + kept).reshape(-1)
-
-
 def take_rows(batch: dict[str, Any], rows: torch.Tensor, num_rows: int) -> dict[str, Any]:
     """Keep ``rows`` of every per-row entry of TRL's batch dict (tensors and lists with ``num_rows``
     entries; per-image tensors are split per row with TRL's own helpers first). Scalars and ``None`` pass
@@ -146,17 +138,6 @@ def take_rows(batch: dict[str, Any], rows: torch.Tensor, num_rows: int) -> dict[
                 f"({num_rows}). This TRL version or feature is not supported by PODSTrainer; please report it."
             )
     return unsplit_pixel_values_by_grid(kept)
-
-
-def selection_metrics(rewards: torch.Tensor, kept_rewards: torch.Tensor) -> dict[str, float]:
-    """Reward mean/std and the fraction of zero-variance groups, over all n and over the kept m."""
-    metrics = {}
-    for name, values in (("all", rewards), ("kept", kept_rewards)):
-        values = values.to(torch.float64)
-        metrics[f"pods/reward_mean_{name}"] = values.mean().item()
-        metrics[f"pods/reward_std_{name}"] = values.std().item() if values.numel() > 1 else 0.0
-        metrics[f"pods/frac_zero_std_{name}"] = zero_variance_groups(values).double().mean().item()
-    return metrics
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -231,7 +212,7 @@ class PODSTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` that trains on m of every n completions per prompt (PODS down-sampling).
 
     Same constructor as ``GRPOTrainer``; ``args`` must be a :class:`PODSConfig`. Logs ``pods/*`` metrics
-    beside TRL's own. Evaluation is TRL's, unchanged.
+    beside TRL's own (docs/metrics.md). Evaluation is TRL's, unchanged.
     """
 
     def __init__(
@@ -288,13 +269,18 @@ class PODSTrainer(GRPOTrainer):
             )
         rewards = summed.view(-1, n)  # [all groups, n]
 
-        kept = select(rewards, m, self.args.selection_rule, generator=self._pods_generator)  # [all groups, m]
-        kept_rewards = rewards.gather(1, kept)
-        advantages = group_advantages(kept_rewards, scale=advantage_scale(self.scale_rewards))
+        chosen = downsample(
+            rewards,
+            m,
+            self.args.selection_rule,
+            scale=advantage_scale(self.scale_rewards),
+            generator=self._pods_generator,
+        )  # over every process's groups: [all groups, m]
+        kept, kept_rewards, advantages = chosen.kept, chosen.rewards, chosen.advantages
 
         mine = slice(self.accelerator.process_index * groups, (self.accelerator.process_index + 1) * groups)
         trl_advantages = batch["advantages"]
-        batch = take_rows(batch, kept_row_indices(kept[mine], n), local_rows)
+        batch = take_rows(batch, chosen.rows.view(-1, m)[mine].reshape(-1) - mine.start * n, local_rows)
         if m < n:
             batch["advantages"] = advantages[mine].reshape(-1).to(trl_advantages)
             # The completions table (log_completions) lists all n: show the advantage trained on, NaN if dropped.
@@ -308,6 +294,9 @@ class PODSTrainer(GRPOTrainer):
             loss_mask = loss_mask * batch["tool_mask"]
         batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
 
-        for name, value in selection_metrics(rewards, kept_rewards).items():
-            self._metrics["train"][name].append(value)
+        for name, value in reward_metrics(rewards, kept_rewards).items():
+            if name.startswith(
+                "pods/"
+            ):  # TRL logs reward, reward_std and frac_reward_zero_std (over all n) itself
+                self._metrics["train"][name].append(value)
         return batch
