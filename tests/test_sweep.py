@@ -204,3 +204,23 @@ def test_compare_is_a_sweep_against_grpo(tiny_sweep_config: Path, tmp_path: Path
     )
     assert (output / "accuracy_vs_time.png").is_file()
     assert os.path.getsize(output / "evaluations.csv") > 0
+
+
+def test_sweep_command_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from pods.cli import main
+
+    for args, message in [
+        (
+            ["sweep", "--grid", "num_generations=4,8", "--num_generations", "16"],
+            "--num_generations is set per arm",
+        ),
+        (["sweep", "--grid", "num_generations=4", "--seed", "1"], "use --seeds"),
+        (["sweep", "--grid", "num_generations=4", "--seeds", "0,x"], "comma-separated integers"),
+        (
+            ["sweep", "--grid", "num_generations=4", "--baseline", "nope", "--output_dir", "/tmp/x"],
+            "is not an arm",
+        ),
+        (["sweep", "--arm", "a:num_generations=4", "--arm", "a:num_generations=8"], "must be distinct"),
+    ]:
+        assert main(args) == 2, args
+        assert message in capsys.readouterr().err, args
