@@ -164,10 +164,14 @@ def test_an_interrupted_sweep_continues_where_it_stopped(tiny_sweep_config: Path
     while not (second.is_dir() and any(p.name.startswith("step-") for p in second.iterdir())):
         assert process.poll() is None and time.monotonic() < deadline, "the second run never checkpointed"
         time.sleep(0.05)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGTERM)  # as a scheduler ends a job
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130, stderr[-3000:]
-    assert "To continue, run pods sweep" in stderr and "Traceback" not in stderr
+    assert process.returncode == 143, stderr[-3000:]
+    assert (
+        "stopped by SIGTERM during b, seed 0" in stderr
+        and "To continue, run pods sweep" in stderr
+        and "Traceback" not in stderr
+    )
     assert (output / "a" / "seed0" / "done.json").is_file() and not (
         output / "b" / "seed0" / "done.json"
     ).exists()

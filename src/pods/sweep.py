@@ -28,8 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from pods.config import ConfigError, TrainConfig, parse_overrides
+from pods.interrupts import TrainingStopped
 from pods.metrics import read_jsonl
-from pods.stats import accuracy_standard_error, bootstrap_ci, common_grid, compare_curves, time_to_level
+from pods.stats import (
+    accuracy_standard_error,
+    bootstrap_ci,
+    common_grid,
+    compare_curves,
+    smoothed_mean_curve,
+    time_to_level,
+)
 
 SWEEP_SETS = ("output_dir", "seed", "resume_from")  # keys the sweep sets for every run itself
 IGNORED_WHEN_MATCHING = ("output_dir", "resume_from", "progress")
@@ -152,7 +160,6 @@ def run_sweep(
     """
     from pods.trainer import PODSTrainer
 
-    stopped_errors = _stop_exceptions()
     names = [arm.name for arm in arms]
     if len(set(names)) != len(names):
         raise ConfigError(f"arms: names must be distinct, got {names}")
@@ -198,16 +205,16 @@ def run_sweep(
         )
         try:
             result = PODSTrainer(config, **(trainer_kwargs or {})).train()
-        except stopped_errors as stop:
+        except (TrainingStopped, KeyboardInterrupt) as stop:  # a graceful stop, or a second Ctrl-C
             finished = summarise_and_write(runs, arms, baseline, target, swept_keys, output_dir, base)
-            signal_name = getattr(stop, "signal_name", "SIGINT")
+            signal_name = stop.signal_name if isinstance(stop, TrainingStopped) else "SIGINT"
             again = resume_command or "the same command"
             raise SweepInterrupted(
                 f"stopped by {signal_name} during {arm.name}, seed {seed}; {len(runs)} of {len(jobs)} runs are "
                 f"finished and kept{' (summary written)' if finished else ''}. To continue, run {again} "
                 f"(same --output_dir {output_dir}): finished runs are skipped and this one resumes from its "
                 "latest checkpoint.",
-                exit_code=143 if signal_name == "SIGTERM" else 130,
+                exit_code=stop.exit_code if isinstance(stop, TrainingStopped) else 130,
             ) from None
         (run_dir / "done.json").write_text(
             json.dumps({"steps": result.steps, "train_seconds": result.train_seconds})
@@ -217,14 +224,6 @@ def run_sweep(
     summary = summarise_and_write(runs, arms, baseline, target, swept_keys, output_dir, base)
     assert summary is not None
     return summary
-
-
-def _stop_exceptions() -> tuple[type[BaseException], ...]:
-    """What a stopped run raises: the trainer's graceful stop (after saving a checkpoint), or Ctrl-C."""
-    import pods.trainer
-
-    graceful = getattr(pods.trainer, "TrainingStopped", None)  # absent from trainers without signal handling
-    return (KeyboardInterrupt, graceful) if graceful is not None else (KeyboardInterrupt,)
 
 
 def _prepare_run_dir(run_dir: Path) -> bool:
@@ -293,8 +292,6 @@ def summarise(
     summary: dict[str, Any] = {"baseline": baseline, "arms": {}}
     if base_runs:
         base_grid = common_grid([_curves(base_runs)])
-        from pods.stats import smoothed_mean_curve
-
         smoothed_peak = float(smoothed_mean_curve(_curves(base_runs), base_grid)[1].max())
         summary["target_accuracy"] = target if target is not None else 0.99 * smoothed_peak
         summary["target_is"] = "given" if target is not None else "99% of the baseline's smoothed peak"
