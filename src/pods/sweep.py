@@ -208,12 +208,11 @@ def run_sweep(
         except (TrainingStopped, KeyboardInterrupt) as stop:  # a graceful stop, or a second Ctrl-C
             finished = summarise_and_write(runs, arms, baseline, target, swept_keys, output_dir, base)
             signal_name = stop.signal_name if isinstance(stop, TrainingStopped) else "SIGINT"
-            again = resume_command or "the same command"
+            again = resume_command or f"the same command with the same output folder ({output_dir})"
             raise SweepInterrupted(
                 f"stopped by {signal_name} during {arm.name}, seed {seed}; {len(runs)} of {len(jobs)} runs are "
-                f"finished and kept{' (summary written)' if finished else ''}. To continue, run {again} "
-                f"(same --output_dir {output_dir}): finished runs are skipped and this one resumes from its "
-                "latest checkpoint.",
+                f"finished and kept{' (summary written)' if finished else ''}. To continue, run {again}: "
+                "finished runs are skipped and this one resumes from its latest checkpoint.",
                 exit_code=stop.exit_code if isinstance(stop, TrainingStopped) else 130,
             ) from None
         (run_dir / "done.json").write_text(
