@@ -125,7 +125,8 @@ def test_trainer_chooses_n_as_it_runs_and_resumes_its_state(tiny_model_dir: Path
     assert [row["num_generations"] for row in metrics[:4]] == [4, 4, 8, 8]
     log = read_jsonl(tmp_path / "num_generations.jsonl")
     decisions = [row for row in log if row["kind"] == "decision"]
-    assert [row["step"] for row in decisions] == [2, 4]
+    assert [row["step"] for row in decisions] == [0, 2, 4]
+    assert [row["num_generations"] for row in decisions[:2]] == [4, 8]
     chosen = decisions[-1]
     assert chosen["reason"] == "most expected signal per second" and 2 <= chosen["num_generations"] <= 8
     assert set(chosen["measured_generate_seconds"]) == {"4", "8"} and chosen["groups"] == 8  # 4 steps x 2

@@ -209,6 +209,10 @@ class AutoGenerations:
         self.current = self.explore[0]
         self.observations: list[dict[str, Any]] = []
 
+    def first_decision(self) -> Decision:
+        """The n of the first steps, before anything is measured (the first exploratory window)."""
+        return Decision(step=0, num_generations=self.explore[0], reason="exploring (window 1)")
+
     def observe(
         self, step: int, n: int, successes: Sequence[int], generate_seconds: float, other_seconds: float
     ) -> dict[str, Any]:

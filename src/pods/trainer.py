@@ -228,6 +228,8 @@ class PODSTrainer:
         cfg, acc = self.config, self.accelerator
         m = cfg.num_generations_kept
         state = self._resume_or_start()
+        if self.auto and state.step == 0:
+            self.auto_log.append({"kind": "decision", **self.auto.first_decision().to_dict()})
         stop = StopRequests(reduce_max=self._synced_max if acc.num_processes > 1 else None)
         progress = TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time)
         with stop, progress:
