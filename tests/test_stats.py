@@ -61,6 +61,7 @@ def test_bootstrap_interval_covers_the_mean_and_widens_for_few_seeds() -> None:
     assert min(values) <= low and high <= max(values)
     assert expanded_tail(3) < expanded_tail(10) < 0.025  # fewer seeds: further out than 2.5%
     assert bootstrap_ci([0.5, 0.5, 0.5]) == (0.5, 0.5)
+    assert all(math.isnan(x) for x in bootstrap_ci([0.7]))  # one seed: no interval
 
 
 def climb(tau: float, rng: np.random.Generator, budget: float = 80.0, noise: float = 0.02):
@@ -120,3 +121,5 @@ def test_time_to_level_and_an_arm_that_never_gets_there() -> None:
     slow = [climb(400.0, rng, noise=0.0) for _ in range(3)]
     speedup = compare_curves(runs, slow, resamples=50)["gain_90"]
     assert speedup.value == 0.0 and speedup.verdict == "slower" and speedup.to_dict()["arm_seconds"] is None
+    single = compare_curves(runs[:1], slow[:1], resamples=50)["gain_90"]  # one seed each: no interval
+    assert single.value == 0.0 and single.verdict == "undetermined" and single.to_dict()["low"] is None

@@ -228,3 +228,21 @@ def test_sweep_command_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
     ]:
         assert main(args) == 2, args
         assert message in capsys.readouterr().err, args
+
+
+def test_auto_is_set_against_the_best_fixed_n_with_the_same_other_keys() -> None:
+    from pods.sweep import auto_against_best_fixed
+
+    def row(overrides: dict, value: float, low: float, high: float) -> dict:
+        return {"overrides": overrides, "accuracy_at_budget": {"value": value, "low": low, "high": high}}
+
+    rows = {
+        "n4": row({"num_generations": 4, "learning_rate": 1e-4}, 0.70, 0.68, 0.72),
+        "n16": row({"num_generations": 16, "learning_rate": 1e-4}, 0.76, 0.74, 0.78),
+        "n16-other-lr": row({"num_generations": 16, "learning_rate": 2e-5}, 0.90, 0.89, 0.91),
+        "auto": row({"num_generations": "auto", "learning_rate": 1e-4}, 0.745, 0.70, 0.79),
+    }
+    (result,) = auto_against_best_fixed(rows)
+    assert result["best_fixed"] == "n16" and result["within_or_better"]
+    rows["auto"]["accuracy_at_budget"]["value"] = 0.73
+    assert not auto_against_best_fixed(rows)[0]["within_or_better"]

@@ -113,15 +113,23 @@ def plot_sweep_values(summary: dict, swept_keys: list[str], output: str | Path) 
         points.sort(key=lambda item: item[0])
         xs = [x for x, _ in points]
         ys = [100 * acc["value"] for _, acc in points]
-        errors = [
-            [100 * (acc["value"] - acc["low"]) for _, acc in points],
-            [100 * (acc["high"] - acc["value"]) for _, acc in points],
+        errors = [  # no bar where a single seed gives no interval
+            [
+                100 * (acc["value"] - (acc["low"] if acc["low"] is not None else acc["value"]))
+                for _, acc in points
+            ],
+            [
+                100 * ((acc["high"] if acc["high"] is not None else acc["value"]) - acc["value"])
+                for _, acc in points
+            ],
         ]
         axis.errorbar(xs, ys, yerr=errors, fmt="o-", capsize=4, label=label or None)
     if numeric:
-        for arm, acc in flat:
-            line = axis.axhline(100 * acc["value"], linestyle="--", linewidth=1, label=arm)
-            axis.axhspan(100 * acc["low"], 100 * acc["high"], alpha=0.1, color=line.get_color())
+        for index, (arm, acc) in enumerate(flat):
+            color = f"C{len(lines) + index}"  # apart from the lines' colours
+            axis.axhline(100 * acc["value"], linestyle="--", linewidth=1, label=arm, color=color)
+            if acc["low"] is not None:
+                axis.axhspan(100 * acc["low"], 100 * acc["high"], alpha=0.1, color=color)
         if key == "num_generations" or all(x > 0 for pts in lines.values() for x, _ in pts):
             axis.set_xscale("log", base=2)
     else:

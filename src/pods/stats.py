@@ -43,7 +43,8 @@ def bootstrap_ci(
     resamples: int = RESAMPLES,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """95% expanded percentile bootstrap interval of ``statistic`` over ``values`` (one value per seed)."""
+    """95% expanded percentile bootstrap interval of ``statistic`` over ``values`` (one value per seed);
+    NaN with fewer than two values (a single seed says nothing about the spread between seeds)."""
     data = np.asarray(values, dtype=float)
     if data.size == 0:
         return (float("nan"), float("nan"))
@@ -178,7 +179,7 @@ def _estimate(values: np.ndarray, seeds: int) -> tuple[float, float, float]:
     """Point value (row 0) and expanded percentile interval of the resamples (rows 1..), ignoring
     undefined ones."""
     tail, rest = expanded_tail(seeds), values[1:][~np.isnan(values[1:])]
-    if np.isnan(values[0]) or rest.size == 0:
+    if np.isnan(values[0]) or rest.size == 0 or seeds < 2:  # one seed: no spread to measure
         return float(values[0]), float("nan"), float("nan")
     low, high = np.quantile(rest, [tail, 1 - tail], method="inverted_cdf")
     return float(values[0]), float(low), float(high)

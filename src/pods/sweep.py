@@ -326,7 +326,40 @@ def summarise(
             per_step = compare_curves(_curves(base_runs, by_step=True), _curves(arm_runs, by_step=True))
             row["speedup_per_step"] = {k: v.to_dict() for k, v in per_step.items()}
         summary["arms"][arm.name] = row
+    summary["auto_vs_best_fixed"] = auto_against_best_fixed(summary["arms"])
     return summary
+
+
+def auto_against_best_fixed(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each ``num_generations: auto`` arm: the fixed-n arm (same other keys) with the best accuracy at
+    the budget, and whether auto's mean lies within that arm's 95% interval or above it."""
+    out = []
+    for name, row in rows.items():
+        keys = row["overrides"]
+        if keys.get("num_generations") != "auto":
+            continue
+        rest = {k: v for k, v in keys.items() if k != "num_generations"}
+        fixed = {
+            other: r
+            for other, r in rows.items()
+            if isinstance(r["overrides"].get("num_generations"), int)
+            and {k: v for k, v in r["overrides"].items() if k != "num_generations"} == rest
+        }
+        if not fixed:
+            continue
+        best = max(fixed, key=lambda other: fixed[other]["accuracy_at_budget"]["value"])
+        auto, interval = row["accuracy_at_budget"]["value"], fixed[best]["accuracy_at_budget"]
+        low = interval["low"] if interval["low"] is not None else interval["value"]
+        out.append(
+            {
+                "auto": name,
+                "best_fixed": best,
+                "auto_accuracy": auto,
+                "best_fixed_accuracy": interval,
+                "within_or_better": auto >= low,
+            }
+        )
+    return out
 
 
 def summarise_and_write(
@@ -399,9 +432,14 @@ def _curves(runs: list[SeedRun], by_step: bool = False) -> list[tuple[list[float
     return [([float(s) for s in (r.steps_at_eval if by_step else r.seconds)], r.accuracy) for r in runs]
 
 
-def _mean_ci(values: list[float]) -> dict[str, float]:
+def _mean_ci(values: list[float]) -> dict[str, float | None]:
     low, high = bootstrap_ci(values)
-    return {"value": sum(values) / len(values), "low": low, "high": high}
+    finite = low == low and high == high  # NaN (one seed): no interval
+    return {
+        "value": sum(values) / len(values),
+        "low": low if finite else None,
+        "high": high if finite else None,
+    }
 
 
 def _mean(values: list[float]) -> float:
@@ -427,11 +465,19 @@ def format_summary(summary: dict[str, Any]) -> str:
         at, best = row["accuracy_at_budget"], row["best_accuracy"]
         reach = row.get("seconds_to_target") or {}
         lines.append(
-            f"| {arm} | {_pct(at['value'])} ({_pct(at['low'])}-{_pct(at['high'])}) "
-            f"+-{100 * row['accuracy_at_budget_se_over_problems']:.1f} over problems | "
-            f"{_pct(best['value'])} ({_pct(best['low'])}-{_pct(best['high'])}) | {_seconds(reach)} | "
+            f"| {arm} | {_pct_ci(at)} +-{100 * row['accuracy_at_budget_se_over_problems']:.1f} over problems | "
+            f"{_pct_ci(best)} | {_seconds(reach)} | "
             f"{row['seconds_per_step']:.2f} ({row['seconds_generate_per_step']:.2f} + "
             f"{row['seconds_update_per_step']:.2f}) | {', '.join(map(str, row['steps']))} |"
+        )
+    for item in summary.get("auto_vs_best_fixed", []):
+        best = item["best_fixed_accuracy"]
+        verdict = (
+            "within its 95% interval or better" if item["within_or_better"] else "below its 95% interval"
+        )
+        lines.append(
+            f"\n{item['auto']} against the best fixed n ({item['best_fixed']}, {_pct_ci(best)} at the budget): "
+            f"{_pct(item['auto_accuracy'])}, {verdict}"
         )
     for arm, row in summary["arms"].items():
         if "speedup" not in row:
@@ -469,6 +515,11 @@ def _seconds(value: dict[str, Any]) -> str:
     if low is None:
         return f"{value['value']:.0f}"
     return f"{value['value']:.0f} ({low:.0f}-{'never' if high is None else f'{high:.0f}'})"
+
+
+def _pct_ci(value: dict[str, Any]) -> str:
+    interval = "" if value["low"] is None else f" ({_pct(value['low'])}-{_pct(value['high'])})"
+    return _pct(value["value"]) + interval
 
 
 def _pct(value: float | None) -> str:
