@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from pods.advantages import downsample, nanstd
+from pods.auto_generations import AutoGenerations
 from pods.checkpoint import (
     STATE_FILE,
     TrainerState,
@@ -174,6 +175,15 @@ class PODSTrainer:
         self._saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint written or loaded
         self.metrics_log = JsonlLog(self.output_dir / "metrics.jsonl", enabled=acc.is_main_process)
         self.eval_log = JsonlLog(self.output_dir / "eval.jsonl", enabled=acc.is_main_process)
+        self.auto = None  # num_generations: auto chooses n as it runs (pods.auto_generations)
+        if cfg.num_generations == "auto":
+            low, high = cfg.generation_bounds
+            self.auto = AutoGenerations(
+                cfg.num_generations_kept, low, high, cfg.selection_rule, cfg.num_generations_every
+            )
+        self.auto_log = JsonlLog(
+            self.output_dir / "num_generations.jsonl", enabled=acc.is_main_process and self.auto is not None
+        )
 
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
@@ -217,8 +227,10 @@ class PODSTrainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:
         cfg, acc = self.config, self.accelerator
-        n, m = cfg.num_generations, cfg.num_generations_kept
+        m = cfg.num_generations_kept
         state = self._resume_or_start()
+        if self.auto and state.step == 0:
+            self.auto_log.append({"kind": "decision", **self.auto.first_decision().to_dict()})
         stop = StopRequests(reduce_max=self._synced_max if acc.num_processes > 1 else None)
         progress = TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time)
         with stop, progress, self._trackers():
@@ -228,6 +240,7 @@ class PODSTrainer:
                 timer = StepTimer()
                 self._seed_step(state.step)
                 batch = self.prompts.batch(state.step)
+                n = self.auto.current if self.auto else cfg.num_generations
 
                 with timer("generate"):  # 1. n completions per prompt
                     rollouts = self.engine.generate(self._render(batch), n, self.sampling)
@@ -253,6 +266,8 @@ class PODSTrainer:
                     state, timer, rollouts, rewards, chosen.rewards, per_function, update
                 )
                 self.metrics_log.append(metrics)
+                if self.auto:
+                    self._auto_step(state, rewards, per_function, timer)
                 if cfg.report_to:
                     acc.log(metrics, step=state.step)
                 progress.update(state.step, state.train_seconds, metrics)
@@ -293,7 +308,7 @@ class PODSTrainer:
     def _score(
         self, batch: list[dict[str, Any]], rollouts: Rollouts
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        n = self.config.num_generations
+        n = rollouts.num_generations
         columns = {key: [row[key] for row in batch for _ in range(n)] for key in batch[0] if key != "prompt"}
         prompts = [row["prompt"] for row in batch for _ in range(n)]
         completion_ids = [
@@ -453,6 +468,7 @@ class PODSTrainer:
             "step": state.step,
             "epoch": round(self.prompts.epoch(state.step), 4),
             "train_seconds": round(state.train_seconds, 3),
+            "num_generations": rewards.shape[1],
             **reward_metrics(all_rewards, kept),
             "skipped_steps": state.skipped_steps,
         }
@@ -481,6 +497,24 @@ class PODSTrainer:
         metrics["tokens_per_second"] = round(lengths.sum().item() / max(step_seconds, 1e-9), 1)
         metrics["peak_memory_mb"] = round(_peak_memory_mb(), 1)
         return metrics
+
+    def _auto_step(
+        self,
+        state: TrainerState,
+        rewards: torch.Tensor,
+        per_function: dict[str, torch.Tensor],
+        timer: StepTimer,
+    ) -> None:
+        """``num_generations: auto``: record this step's successes per group (the accuracy reward above
+        0.5, else the summed reward above 0.5) and timings, over every process; re-decide n when due."""
+        scores = torch.nan_to_num(per_function.get(reward_name(self.accuracy_fn), rewards))
+        successes = self._gather((scores > 0.5).sum(dim=1)).cpu().tolist()
+        generate = self._synced(sum(timer.seconds.get(k, 0.0) for k in ("generate", "score", "select")))
+        other = self._synced(timer.seconds.get("update", 0.0))
+        self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, generate, other))
+        decision = self.auto.decide(state.step)
+        if decision is not None:
+            self.auto_log.append({"kind": "decision", **decision.to_dict()})
 
     def _gather(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's ``values`` (equal shapes), concatenated along the first dimension."""
@@ -590,6 +624,7 @@ class PODSTrainer:
                 )
             self.metrics_log.reset()
             self.eval_log.reset()
+            self.auto_log.reset()
             return TrainerState()
         folder = self._checkpoint_to_resume(source)
         if folder is None:  # resume_from: auto in a folder without checkpoints: a fresh start
@@ -606,6 +641,11 @@ class PODSTrainer:
             ) from error
         self._saved = (state.step, folder)
         self.metrics_log.truncate_after(state.step)
+        if self.auto is not None:  # replay n's observations and decisions up to the checkpoint
+            self.auto_log.truncate_after(state.step)
+            self.accelerator.wait_for_everyone()
+            if self.auto_log.path.is_file():
+                self.auto.restore([r for r in read_jsonl(self.auto_log.path) if r["step"] <= state.step])
         self.eval_log.truncate_after(state.step)
         return state
 
