@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
@@ -25,17 +24,29 @@ def test_version_and_help() -> None:
     assert run_pods("--version").stdout.strip() == f"pods {__version__}"
     result = run_pods("--help")
     assert result.returncode == 0
-    for command in ("train", "eval", "compare", "plot", "demo"):
+    for command in ("train", "eval", "compare", "sweep", "plot", "demo"):
         assert command in result.stdout
     train_help = run_pods("train", "--help").stdout
     assert "num_generations_kept=4" in train_help and "gsm8k-pods" in train_help
 
 
-def test_demo_prints_what_each_rule_keeps() -> None:
-    result = run_pods("demo", "--groups", "2", "--n", "6", "--m", "3")
-    assert result.returncode == 0, result.stderr
+def test_demo_prints_what_each_rule_keeps(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--groups", "2", "--n", "6", "--m", "3"]) == 0
+    stdout = capsys.readouterr().out
     for rule in ("max_variance", "max_reward", "random"):
-        assert result.stdout.count(rule) == 2
+        assert stdout.count(rule) == 2
+
+
+def test_a_bug_keeps_its_traceback() -> None:
+    """Only pods' own errors become one-line messages; a ValueError from a bug propagates with its traceback."""
+    from pods.data import register_task
+
+    def broken_reader(split: str, **options) -> list[dict]:
+        return [{"question": "q", "answer": str(int("not a number"))}]
+
+    register_task("broken-reader", broken_reader)
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        main(["eval", "--model", "embedded", "--dataset", "broken-reader"])
 
 
 def test_both_spellings_of_every_option() -> None:
@@ -115,6 +126,7 @@ def tiny_run_config(
     return path
 
 
+@pytest.mark.slow
 def test_train_eval_and_plot(tiny_run_config: Path, tmp_path: Path, shared_data: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_pods("train", "--config", str(tiny_run_config), "--output_dir", str(run_dir), "--seed", "3")
@@ -135,9 +147,9 @@ def test_train_eval_and_plot(tiny_run_config: Path, tmp_path: Path, shared_data:
     assert (
         values["num_problems"] == 6 and values["samples_per_problem"] == 2 and values["protocol"] == "sampled"
     )
-    assert (
-        0.0 <= values["accuracy"] <= 1.0 and "format_accuracy" in values and "correct_and_formatted" in values
-    )
+    for key in ("accuracy", "format_accuracy", "correct_and_formatted"):  # counts over 6 problems x 2 samples
+        assert values[key] * 12 == pytest.approx(round(values[key] * 12)) and values[key] <= 1.0, key
+    assert values["correct_and_formatted"] <= min(values["accuracy"], values["format_accuracy"])
 
     result = run_pods("plot", str(run_dir), str(run_dir), "--output", str(tmp_path / "again.png"))
     assert result.returncode == 0 and (tmp_path / "again.png").stat().st_size > 10_000
@@ -145,58 +157,7 @@ def test_train_eval_and_plot(tiny_run_config: Path, tmp_path: Path, shared_data:
     assert result.returncode == 2 and "not a pods run folder" in result.stderr
 
 
-def test_compare_writes_curves_plot_and_speedup(tiny_run_config: Path, tmp_path: Path) -> None:
-    output = tmp_path / "compare"
-    result = run_pods(
-        "compare",
-        "--config",
-        str(tiny_run_config),
-        "--arms",
-        "grpo,pods",
-        "--seeds",
-        "0",
-        "--output-dir",
-        str(output),
-        "--max-steps",
-        "2",
-        "--save_final",
-        "false",
-    )  # fmt: skip  (both dialects: --output-dir is compare's --output, --max-steps the key max_steps)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "pods vs GRPO" in result.stdout
-    summary = json.loads((output / "summary.json").read_text())
-    assert set(summary["arms"]) == {"grpo", "pods"}
-    rows = list(csv.DictReader((output / "accuracy_vs_time.csv").open()))
-    assert {row["arm"] for row in rows} == {"grpo", "pods"}
-    # The paper's speed-up, recomputed from the written curves: GRPO's first time at 99% of its peak over
-    # the first time PODS gets there.
-    curve = {
-        arm: [(float(r["train_seconds"]), float(r["accuracy"])) for r in rows if r["arm"] == arm]
-        for arm in ("grpo", "pods")
-    }
-    target = 0.99 * max(accuracy for _, accuracy in curve["grpo"])
-    first = {arm: next((t for t, a in points if a >= target - 1e-6), None) for arm, points in curve.items()}
-    reported = summary["speedup_vs_grpo"]["pods"]
-    assert reported["target_accuracy"] == pytest.approx(target, abs=1e-6)
-    assert (reported["grpo_seconds"], reported["other_seconds"]) == pytest.approx(
-        (first["grpo"], first["pods"]), abs=1e-3
-    )
-    if first["pods"] and first["grpo"]:
-        assert reported["speedup"] == pytest.approx(first["grpo"] / first["pods"], rel=1e-3)
-    else:
-        assert reported["speedup"] is None and reported["note"]
-    assert summary["speedup_per_seed"]["pods"][0]["grpo_seconds"] == reported["grpo_seconds"]
-    assert (output / "accuracy_vs_time.png").is_file()
-    grpo = yaml.safe_load((output / "grpo-seed0" / "config.yaml").read_text())
-    pods = yaml.safe_load((output / "pods-seed0" / "config.yaml").read_text())
-    assert (grpo["num_generations"], grpo["selection_rule"]) == (2, "all")
-    assert (pods["num_generations"], pods["num_generations_kept"], pods["selection_rule"]) == (
-        8,
-        2,
-        "max_variance",
-    )
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("name", preset_names())
 def test_every_preset_resolves_and_runs_a_step_on_a_tiny_model(
     name: str, tiny_model_dir: Path, tmp_path: Path, shared_data: Path
@@ -254,6 +215,7 @@ def test_presets_are_the_papers_settings() -> None:
     assert (PRESETS_DIR / "accelerate" / "deepspeed_zero2.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_eval_on_a_lora_checkpoint(tiny_run_config: Path, tmp_path: Path, shared_data: Path) -> None:
     from pods.cli import load_train_config
     from pods.trainer import PODSTrainer

@@ -102,7 +102,11 @@ def test_completion_logprobs_equals_unpadded_full_forward(request, arch, tempera
     prompts, completions, batch = _padded_batch(tokenizer)
     with torch.no_grad():
         ours = completion_logprobs(model, *batch, temperature=temperature)
-        micro = completion_logprobs(model, *batch, temperature=temperature, micro_batch_size=1)
+        rows = [
+            completion_logprobs(model, *(t[i : i + 1] for t in batch), temperature=temperature)
+            for i in range(len(prompts))
+        ]
+        micro = torch.cat([torch.nn.functional.pad(r, (0, batch[2].shape[1] - r.shape[1])) for r in rows])
         for row, (p, c) in enumerate(zip(prompts, completions, strict=True)):
             logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1]
             manual = torch.log_softmax(logits / temperature, dim=-1).gather(-1, torch.tensor(c)[:, None])[

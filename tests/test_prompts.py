@@ -11,9 +11,13 @@ from pods.prompts import DEFAULT_PLAIN_TEMPLATE, THINK_SYSTEM_PROMPT, make_promp
 QUESTION = "What is {x} if $\\frac{x}{2} = 3$?"  # braces must survive templating
 
 
-def test_system_prompt_asks_for_think_and_answer_tags() -> None:
-    for tag in ("<think>", "</think>", "<answer>", "</answer>"):
-        assert tag in THINK_SYSTEM_PROMPT
+def test_a_completion_shaped_like_the_system_prompts_example_earns_the_full_format_rewards() -> None:
+    """The prompt and the format rewards must ask for the same thing: its own example scores 0.1 + 0.1."""
+    from pods.rewards import format_reward, tag_reward
+
+    example = THINK_SYSTEM_PROMPT.split("for example:")[1].strip()
+    assert format_reward(["p"], [example]) == [pytest.approx(0.1)]
+    assert tag_reward(["p"], [example]) == [pytest.approx(0.1)]
 
 
 def test_chat_style_gives_system_and_user_messages() -> None:

@@ -42,17 +42,20 @@ def start_script(
     """tiny_run.py as a background process (stdout and stderr to files in ``output``'s parent)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     log = output.parent / f"{output.name}-{time.monotonic_ns()}"
-    return subprocess.Popen(
+    handles = open(f"{log}.out", "w"), open(f"{log}.err", "w")  # noqa: SIM115 - closed in finish()
+    process = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(model_dir), str(output), json.dumps(settings)],
-        stdout=open(f"{log}.out", "w"),  # closed in finish()
-        stderr=open(f"{log}.err", "w"),
+        stdout=handles[0],
+        stderr=handles[1],
         env={**os.environ, **(env or {})},
         **popen,
     )
+    process.logs = handles
+    return process
 
 
 def outputs(process: subprocess.Popen) -> tuple[str, str]:
-    return Path(process.stdout.name).read_text(), Path(process.stderr.name).read_text()
+    return tuple(Path(handle.name).read_text() for handle in process.logs)
 
 
 def wait_for_step(process: subprocess.Popen, metrics: Path, step: int, timeout: float = 120) -> None:
@@ -68,8 +71,8 @@ def wait_for_step(process: subprocess.Popen, metrics: Path, step: int, timeout: 
 
 def finish(process: subprocess.Popen, timeout: float = 120) -> int:
     code = process.wait(timeout=timeout)
-    process.stdout.close()
-    process.stderr.close()
+    for handle in process.logs:
+        handle.close()
     return code
 
 
@@ -104,6 +107,30 @@ def trainer_for(model_dir: Path, output: Path, reward=count_of_a, **overrides) -
     )
 
 
+CLI_ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+
+
+def pods_train(model_dir: Path, output: Path, **options) -> list[str]:
+    """A `pods train` command line for a few-second run of the tiny model on the arithmetic task."""
+    settings = {
+        "model": model_dir, "max_time": "null", "eval_at_start": "false", "eval_every_seconds": "null",
+        "save_every_seconds": "null", "progress": "false", "prompts_per_step": 2, "num_generations": 4,
+        "num_generations_kept": 2, "micro_batch_size": 4, "max_completion_length": 8, "output_dir": output,
+        **options,
+    }  # fmt: skip
+    return [sys.executable, "-m", "pods", "train", *(f"--{k}={v}" for k, v in settings.items())]
+
+
+def small_files(limit: int):
+    """A child-process hook: files may not grow past ``limit`` bytes (RLIMIT_FSIZE binds root too)."""
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, not a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
 # ------------------------------------------------------------------------------------------ graceful stop
 
 
@@ -113,19 +140,12 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_printed_command_
 ) -> None:
     """`pods train` itself: SIGTERM mid-run saves the last completed step, prints the resume command, exits 143."""
     output = tmp_path / "run"
-    options = [
-        "--model", str(tiny_model_dir), "--max_steps", "40", "--max_time", "null", "--eval_at_start", "false",
-        "--eval_every_seconds", "null", "--save_every_seconds", "null", "--progress", "false",
-        "--prompts_per_step", "2", "--num_generations", "4", "--num_generations_kept", "2",
-        "--micro_batch_size", "4", "--max_completion_length", "8", "--output_dir", str(output),
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     process = subprocess.Popen(
-        [sys.executable, "-m", "pods", "train", *options],
+        pods_train(tiny_model_dir, output, max_steps=12, report_to="tensorboard"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env=CLI_ENV,
     )
     try:
         wait_for_step(process, output / "metrics.jsonl", 2)
@@ -136,10 +156,14 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_printed_command_
     assert process.returncode == 128 + signal.SIGTERM, stderr
     assert "Traceback" not in stderr
     stopped_at = read_jsonl(output / "metrics.jsonl")[-1]["step"]
-    assert 2 <= stopped_at < 40
+    assert 2 <= stopped_at < 12
     assert [checkpoint_step(p) for p in list_checkpoints(output / "checkpoints")] == [stopped_at]
     assert checkpoint_problem(list_checkpoints(output / "checkpoints")[-1]) is None
     assert f"stopped by SIGTERM after step {stopped_at}" in stderr
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(output / "pods")).Reload()  # the tracker was flushed and closed
+    assert [event.step for event in events.Scalars("reward")] == list(range(1, stopped_at + 1))
     command = shlex.split(stderr.split("Continue this run with:")[1].strip().splitlines()[0])
     assert command[:2] == ["pods", "train"] and command[-4:] == [
         "--output_dir",
@@ -148,10 +172,10 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_printed_command_
         "auto",
     ]
     resumed = subprocess.run(
-        [sys.executable, "-m", "pods", *command[1:]], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-m", "pods", *command[1:]], capture_output=True, text=True, timeout=300, env=CLI_ENV
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert [row["step"] for row in read_jsonl(output / "metrics.jsonl")] == list(range(1, 41))
+    assert [row["step"] for row in read_jsonl(output / "metrics.jsonl")] == list(range(1, 13))
 
 
 @pytest.mark.slow
@@ -168,6 +192,7 @@ def test_a_second_sigint_aborts_at_once(tiny_model_dir: Path, tmp_path: Path) ->
     process.send_signal(signal.SIGINT)
     time.sleep(1.5)  # longer than a launcher's forwarded copy of the same Ctrl-C
     assert process.poll() is None, "the first SIGINT did not wait for the step in flight"
+    process.send_signal(signal.SIGINT)
     sent = time.monotonic()
     code = finish(process, timeout=60)
     assert time.monotonic() - sent < 10, "the second SIGINT did not abort at once"
@@ -178,34 +203,55 @@ def test_a_second_sigint_aborts_at_once(tiny_model_dir: Path, tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_a_signal_on_one_rank_stops_both_ranks_at_the_same_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """2 processes under `accelerate launch`: SIGTERM to rank 1 alone stops both at one step with one checkpoint;
+    then, resumed, a terminal's Ctrl-C (SIGINT to the launcher and both workers, which the launcher forwards
+    again) is one graceful stop, not a second press."""
     import psutil
 
-    command, env = two_process_launch(tiny_model_dir, tmp_path, {"max_steps": 200, "save_every_steps": None})
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        wait_for_step(launcher, tmp_path / "metrics.jsonl", 2)
-        workers = [
-            p
-            for p in psutil.Process(launcher.pid).children(recursive=True)
-            if "tiny_run" in " ".join(p.cmdline())
-        ]
-        rank1 = [p for p in workers if p.environ().get("RANK") == "1"]
+    def launch_and_stop(settings: dict, stop) -> tuple[int, list[list[str]], str]:
+        command, env = two_process_launch(tiny_model_dir, tmp_path, settings)
+        launcher = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            wait_for_step(launcher, tmp_path / "metrics.jsonl", highest + 2)
+            stop(launcher)
+            stdout, stderr = launcher.communicate(timeout=120)
+        finally:
+            launcher.kill()
+        lines = sorted(line.split(" ", 4) for line in stdout.splitlines() if line.startswith("STOPPED "))
+        assert [line[1] for line in lines] == ["0", "1"], stderr[-3000:]
+        assert lines[0][2:4] == lines[1][2:4], lines  # same signal, same step
+        step = int(lines[0][3])
+        assert highest + 2 <= step < 200
+        assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["step"] == step
+        checkpoint = list_checkpoints(tmp_path / "checkpoints")[-1]
+        assert checkpoint_step(checkpoint) == step and checkpoint_problem(checkpoint) is None
+        assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
+        assert_same_weights(weights(tmp_path / "weights-rank0.pt"), weights(tmp_path / "weights-rank1.pt"))
+        return launcher.returncode, lines, stderr
+
+    def sigterm_to_rank_1(launcher: subprocess.Popen) -> None:
+        workers = psutil.Process(launcher.pid).children(recursive=True)
+        rank1 = [p for p in workers if "tiny_run" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1"]
         assert len(rank1) == 1, [p.cmdline() for p in workers]
         rank1[0].send_signal(signal.SIGTERM)  # only rank 1 hears it
-        stdout, stderr = launcher.communicate(timeout=120)
-    finally:
-        launcher.kill()
-    lines = sorted(line.split(" ", 4) for line in stdout.splitlines() if line.startswith("STOPPED "))
-    assert [line[1] for line in lines] == ["0", "1"], stderr[-3000:]
-    assert lines[0][2:4] == lines[1][2:4] and lines[0][2] == "SIGTERM"
-    step = int(lines[0][3])
-    assert 2 <= step < 200
-    assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["step"] == step
-    checkpoints = list_checkpoints(tmp_path / "checkpoints")
-    assert [checkpoint_step(p) for p in checkpoints] == [step]
-    assert checkpoint_problem(checkpoints[0]) is None
-    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoints[0].iterdir()}
-    assert_same_weights(weights(tmp_path / "weights-rank0.pt"), weights(tmp_path / "weights-rank1.pt"))
+
+    settings = {"max_steps": 200, "save_every_steps": None}
+    highest = 0
+    _, lines, _ = launch_and_stop(settings, sigterm_to_rank_1)
+    assert lines[0][2] == "SIGTERM"
+    highest = int(lines[0][3])
+    code, lines, stderr = launch_and_stop(
+        {**settings, "resume_from": "auto"}, lambda launcher: os.killpg(launcher.pid, signal.SIGINT)
+    )
+    assert lines[0][2] == "SIGINT" and "KeyboardInterrupt" not in stderr
+    assert code == 128 + signal.SIGINT
 
 
 # ------------------------------------------------------------------------------------------ fault injection
@@ -218,13 +264,13 @@ def test_fault_injection_sigkill_sigterm_and_a_damaged_checkpoint_resume_exactly
     """Seeded random stops (SIGKILL, SIGTERM, SIGKILL then the newest checkpoint damaged, SIGTERM), each followed
     by --resume_from auto: the end weights and every step's rewards equal an uninterrupted run's."""
     steps = 20
-    settings = {"max_steps": steps, "save_every_steps": 1, "save_total_limit": 2, "selection_rule": "random"}
-    straight = run_script(tiny_model_dir, tmp_path / "straight", settings)
-    assert straight.returncode == 0, straight.stderr
+    settings = {"max_steps": steps, "save_every_steps": 1, "selection_rule": "random", "torch_threads": 1}
+    straight = trainer_for(tiny_model_dir, tmp_path / "straight", **settings)  # in-process: same threads
+    straight.train()
 
     rng = random.Random(11)
     output, metrics = tmp_path / "interrupted", tmp_path / "interrupted" / "metrics.jsonl"
-    highest, resume = 0, {}
+    highest, resume, damaged = 0, {}, None
     for event in ("SIGKILL", "SIGTERM", "SIGKILL+damage", "SIGTERM"):
         process = start_script(tiny_model_dir, output, {**settings, **resume})
         wait_for_step(process, metrics, highest + rng.randint(1, 2))
@@ -232,34 +278,26 @@ def test_fault_injection_sigkill_sigterm_and_a_damaged_checkpoint_resume_exactly
         process.send_signal(signal.SIGKILL if event.startswith("SIGKILL") else signal.SIGTERM)
         code = finish(process)
         stdout, stderr = outputs(process)
+        if damaged is not None:  # this run started after the newest checkpoint was damaged
+            assert f"skipping checkpoint {damaged}" in stderr and "model.safetensors has" in stderr, stderr
         highest = max(row["step"] for row in read_jsonl(metrics))
         assert highest < steps, "the run ended before the signal: lower the stop points"
+        newest = list_checkpoints(output / "checkpoints")[-1]
         if event == "SIGTERM":
             assert code == 128 + signal.SIGTERM, stderr
-            assert (
-                int(stopped_line(stdout)[3])
-                == highest
-                == checkpoint_step(list_checkpoints(output / "checkpoints")[-1])
-            )
+            assert int(stopped_line(stdout)[3]) == highest == checkpoint_step(newest)
         else:
             assert code == -signal.SIGKILL
-        if event.endswith("damage"):
-            newest = list_checkpoints(output / "checkpoints")[-1]
+        damaged = newest if event.endswith("damage") else None
+        if damaged:
             damage(newest / "model.safetensors", "truncate")
         resume = {"resume_from": "auto"}
-        if event.endswith("damage"):
-            check = start_script(tiny_model_dir, output, {**settings, **resume})
-            wait_for_step(check, metrics, highest + 1)
-            check.send_signal(signal.SIGTERM)
-            finish(check)
-            _, warned = outputs(check)
-            assert f"skipping checkpoint {newest}" in warned and "model.safetensors has" in warned, warned
-            highest = max(row["step"] for row in read_jsonl(metrics))
 
     final = run_script(tiny_model_dir, output, {**settings, **resume})
     assert final.returncode == 0, final.stderr
+    model = straight.accelerator.unwrap_model(straight.model)
     assert_same_weights(
-        weights(tmp_path / "straight" / "weights-rank0.pt"), weights(output / "weights-rank0.pt")
+        {k: v.detach() for k, v in model.state_dict().items()}, weights(output / "weights-rank0.pt")
     )
     straight_rows, resumed_rows = (
         learning_metrics(tmp_path / "straight" / "metrics.jsonl"),
@@ -387,38 +425,51 @@ def test_resume_never_unpickles_code(tiny_model_dir: Path, tmp_path: Path) -> No
 def test_a_checkpoint_write_that_fails_leaves_earlier_ones_intact(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """A real EFBIG (file-size limit of the process, which binds root too) while writing step 3's checkpoint."""
+    """A real EFBIG (a file-size limit on the process, which binds root too) while `pods train` writes step 3's
+    checkpoint: a one-line error, the earlier checkpoints intact, and the run continues once writes work."""
     output = tmp_path / "run"
-    first = run_script(tiny_model_dir, output, {"max_steps": 2, "save_every_steps": 1})
-    assert first.returncode == 0, first.stderr
+    trainer_for(tiny_model_dir, output, max_steps=2, save_every_steps=1).train()
     before = list_checkpoints(output / "checkpoints")
-    limit = 64 * 1024  # metrics rows and JSON files fit; model.safetensors (~115 KB) does not
-
-    def small_files() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, not a kill
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    process = start_script(
-        tiny_model_dir,
-        output,
-        {"max_steps": 4, "save_every_steps": 1, "resume_from": "auto"},
-        preexec_fn=small_files,
+    failed = subprocess.run(
+        pods_train(tiny_model_dir, output, max_steps=4, save_every_steps=1, resume_from="auto"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=CLI_ENV,
+        preexec_fn=small_files(64 * 1024),  # metrics and JSON files fit; model.safetensors (~115 KB) does not
     )
-    code = finish(process)
-    _, stderr = outputs(process)
-    assert code != 0
-    assert "CheckpointWriteError: could not write checkpoint" in stderr and "step-0000003" in stderr, stderr[
-        -3000:
-    ]
-    assert "Earlier checkpoints are intact (latest: " in stderr
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr
+    assert (
+        f"pods train: error: could not write checkpoint {output / 'checkpoints' / 'step-0000003'}"
+        in failed.stderr
+    )
+    assert (
+        "File too large" in failed.stderr
+        and f"Earlier checkpoints are intact (latest: {before[-1]})" in failed.stderr
+    )
     assert list_checkpoints(output / "checkpoints") == before
     assert all(checkpoint_problem(p) is None for p in before)
     assert not list((output / "checkpoints").glob(".partial-*"))
-    resumed = run_script(
-        tiny_model_dir, output, {"max_steps": 4, "save_every_steps": 1, "resume_from": "auto"}
+    assert (
+        trainer_for(tiny_model_dir, output, max_steps=4, save_every_steps=1, resume_from="auto").train().steps
+        == 4
     )
-    assert resumed.returncode == 0, resumed.stderr
     assert [row["step"] for row in read_jsonl(output / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_write_on_one_rank_ends_both_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """2 processes: rank 0 cannot write model.safetensors (EFBIG); both ranks raise, none waits forever."""
+    command, env = two_process_launch(tiny_model_dir, tmp_path, {"max_steps": 4, "save_every_steps": 1})
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env=env, preexec_fn=small_files(64 * 1024)
+    )
+    assert result.returncode != 0
+    assert "could not write checkpoint" in result.stderr and "File too large" in result.stderr
+    assert "it failed on another process" in result.stderr, result.stderr[-3000:]  # rank 1 raised too
+    assert list_checkpoints(tmp_path / "checkpoints") == []
+    assert not list((tmp_path / "checkpoints").glob(".partial-*"))
 
 
 # ------------------------------------------------------------------------------------------ non-finite guard

@@ -207,6 +207,7 @@ def math500(shared_data: Path) -> list[dict]:
     return _jsonl(shared_data / "math500" / "test.jsonl")
 
 
+@pytest.mark.slow
 def test_math500_solutions_score_one_with_math_accuracy_reward(math500: list[dict]) -> None:
     scores = math_accuracy_reward(
         None, [r["solution"] for r in math500], answer=[r["answer"] for r in math500]
@@ -214,6 +215,7 @@ def test_math500_solutions_score_one_with_math_accuracy_reward(math500: list[dic
     assert scores == [1.0] * 500
 
 
+@pytest.mark.slow
 def test_math500_solutions_verify_through_math_verify_itself(math500: list[dict]) -> None:
     """The same bar without the fast textual path: every solution goes through math-verify."""
     failures = [r["unique_id"] for r in math500 if not verify_with_math_verify(r["solution"], r["answer"])]

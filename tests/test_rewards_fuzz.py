@@ -14,8 +14,12 @@ from hypothesis import strategies as st
 from pods.rewards import accuracy_reward, format_reward, math_accuracy_reward, tag_reward
 from pods.rewards.symbolic import MATH_VERIFY_TIMEOUT_S
 
-# Stated bounds per completion (see the reward modules' docstrings). The cheap rewards measure under
-# 10 ms on a 1 MB completion on the shared 2-core machine; the bound leaves room for a busy machine.
+# Stated bounds per completion (see the reward modules' docstrings). The cheap rewards are timed in CPU
+# seconds of this process (time.process_time), which other processes on a busy machine cannot inflate.
+# Measured on the shared 2-core machine at load average 5.4 (the full suite running beside it), over 5
+# repeats of every 1 MB input: worst 3.6 ms of CPU (24.8 ms of wall clock), so the 0.5 s bound has a
+# margin of 137x (20x even on the wall clock). The math reward runs in a worker process under a
+# wall-clock timeout, so it is timed on the wall clock.
 CHEAP_BOUND_S = 0.5
 MATH_BOUND_S = MATH_VERIFY_TIMEOUT_S + 1.0
 
@@ -66,10 +70,10 @@ golds = st.one_of(
 )
 
 
-def _timed(fn: Any, completion: Any, gold: str) -> tuple[list[float], float]:
-    start = time.perf_counter()
+def _timed(fn: Any, completion: Any, gold: str, clock: Any = time.process_time) -> tuple[list[float], float]:
+    start = clock()
     scores = fn(["prompt"], [completion], None, answer=[gold])
-    return scores, time.perf_counter() - start
+    return scores, clock() - start
 
 
 def _check(scores: list[float], seconds: float, bound: float, top: float) -> None:
@@ -78,6 +82,7 @@ def _check(scores: list[float], seconds: float, bound: float, top: float) -> Non
     assert seconds < bound, f"{seconds:.3f} s is over the stated bound of {bound} s"
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(completion=completions, gold=golds)
 def test_cheap_rewards_never_raise_and_stay_fast(completion: Any, gold: str) -> None:
@@ -104,11 +109,12 @@ def math_worker_started() -> None:
 def test_math_reward_never_raises_and_respects_its_time_bound(
     math_worker_started: None, completion: Any, gold: str
 ) -> None:
-    scores, seconds = _timed(math_accuracy_reward, completion, gold)
+    scores, seconds = _timed(math_accuracy_reward, completion, gold, clock=time.perf_counter)
     _check(scores, seconds, MATH_BOUND_S, 1.0)
 
 
 def test_math_reward_on_megabyte_inputs(math_worker_started: None) -> None:
     for name, text in HUGE_TEXTS.items():
-        scores, seconds = _timed(math_accuracy_reward, text, "7" if name != "huge_number_answer" else "8")
+        gold = "7" if name != "huge_number_answer" else "8"
+        scores, seconds = _timed(math_accuracy_reward, text, gold, clock=time.perf_counter)
         _check(scores, seconds, MATH_BOUND_S, 1.0)

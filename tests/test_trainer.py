@@ -3,6 +3,7 @@ exact resume after a crash, a crash while checkpointing, and two processes under
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ from pods.trainer import PODSTrainer
 
 SCRIPT = Path(__file__).parent / "scripts" / "tiny_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
-from tiny_run import TINY_SETTINGS, count_of_a, low_token_ids, tiny_dataset  # noqa: E402
+from tiny_run import TINY_SETTINGS, RecordingTrainer, count_of_a, low_token_ids, tiny_dataset  # noqa: E402
 
 
 def tiny_config(model_dir: Path, output_dir: Path, **overrides) -> TrainConfig:
@@ -103,6 +104,73 @@ def test_a_few_real_steps(tiny_model_dir: Path, tmp_path: Path, overrides: dict)
     assert (checkpoint / "model").is_dir()
 
 
+def test_kl_and_clip_metrics_do_not_depend_on_micro_batch_size(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Averaged over tokens, not micro-batches: completions of unequal length make the two differ."""
+    logged = []
+    for micro in (1, 4):
+        run_tiny(
+            tiny_model_dir,
+            tmp_path / f"micro{micro}",
+            max_steps=1,
+            micro_batch_size=micro,
+            num_iterations=2,  # the second pass has moved: KL > 0 and some ratios clip
+            beta=0.1,
+            epsilon=0.02,
+            learning_rate=3e-2,
+            stop_strings=["a", "e"],  # completions of 1 to 8 tokens
+            save_final=False,
+        )
+        logged.append(read_jsonl(tmp_path / f"micro{micro}" / "metrics.jsonl")[0])
+    assert logged[0]["completions/min_length"] < logged[0]["completions/max_length"]
+    for key in ("kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+        assert logged[0][key] == pytest.approx(logged[1][key], rel=1e-5, abs=1e-9), key
+    assert logged[0]["kl"] > 0 and logged[0]["clip_ratio/region_mean"] > 0
+
+
+def test_old_and_reference_logprobs_are_computed_in_eval_mode_at_every_step(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With LoRA dropout, train-mode old log-probs would be noisy; every no-grad forward must be eval mode."""
+    trainer = PODSTrainer(
+        tiny_config(
+            tiny_model_dir, tmp_path, max_steps=3, num_iterations=2, beta=0.1, lora_r=4, lora_dropout=0.5
+        ),
+        reward_funcs=[count_of_a],
+        train_dataset=tiny_dataset(),
+    )
+    modes = []  # training flag of every forward pass that builds no graph (generation, old and ref log-probs)
+    base = trainer.accelerator.unwrap_model(trainer.model).get_base_model()
+    base.register_forward_pre_hook(
+        lambda module, args: None if torch.is_grad_enabled() else modes.append(module.training)
+    )
+    trainer.train()
+    assert len(modes) > 3 * 8 and not any(modes), modes
+
+
+def test_full_fine_tuning_kl_reference_runs_under_the_same_mixed_precision(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """At the first step the policy is the reference: under bf16 autocast for both, the KL is exactly 0."""
+    run_tiny(tiny_model_dir, tmp_path, max_steps=1, beta=0.1, mixed_precision="bf16", save_final=False)
+    assert read_jsonl(tmp_path / "metrics.jsonl")[0]["kl"] == 0.0
+
+
+def test_unscorable_completions_follow_trls_rule(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Every reward function None: NaN, out of the reward statistics and the baseline (was counted as 0)."""
+    given: list = []
+
+    def one_or_none(prompts, completions, completion_ids=None, **columns):
+        given.extend(None if len(ids) % 2 == 0 else 1.0 for ids in completion_ids)
+        return given[-len(completion_ids) :]
+
+    config = tiny_config(tiny_model_dir, tmp_path, max_steps=1, stop_strings=["a", "e"], save_final=False)
+    PODSTrainer(config, reward_funcs=[one_or_none], train_dataset=tiny_dataset()).train()
+    assert None in given and 1.0 in given
+    row = read_jsonl(tmp_path / "metrics.jsonl")[0]
+    assert row["reward"] == 1.0 and row["rewards/one_or_none/mean"] == 1.0
+    assert row["pods/reward_kept"] == 1.0
+
+
 def test_mean_reward_rises(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_config(
         tiny_model_dir,
@@ -137,6 +205,7 @@ def learning_metrics(path: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in read_jsonl(path)]
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_is_exact(tiny_model_dir: Path, tmp_path: Path) -> None:
     settings = {"max_steps": 4, "save_every_steps": 2, "selection_rule": "random", "num_iterations": 2}
     straight = run_script(tiny_model_dir, tmp_path / "straight", settings)
@@ -189,8 +258,40 @@ def two_process_launch(model_dir: Path, output: Path, settings: dict) -> tuple[l
     return command, env
 
 
+@pytest.mark.slow
+def test_a_deepspeed_zero2_step_uses_our_batch_shape_and_clipping(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """accelerate + DeepSpeed ZeRO-2 on the CPU, with no DataLoader to prepare: the step takes its micro-batch,
+    accumulation and clip from our config (the launcher's clip of 1000 must not win over max_grad_norm)."""
+    pytest.importorskip("deepspeed")
+    settings = {"max_steps": 2, "max_grad_norm": 0.001, "micro_batch_size": 1}
+    command, env = two_process_launch(tiny_model_dir, tmp_path / "zero2", settings)
+    at = command.index("--multi_gpu")
+    command[at : at + 3] = [
+        "--use_deepspeed",
+        "--zero_stage",
+        "2",
+        "--gradient_clipping",
+        "1000",
+        "--num_processes",
+        "1",
+    ]
+    env.pop("ACCELERATE_USE_CPU")  # DeepSpeed picks its CPU accelerator itself (no GPU visible)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "distributed: DEEPSPEED" in result.stdout
+    plain = run_script(tiny_model_dir, tmp_path / "plain", settings)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    zero2 = torch.load(tmp_path / "zero2" / "weights-rank0.pt")
+    reference = torch.load(tmp_path / "plain" / "weights-rank0.pt")
+    for key, value in reference.items():
+        torch.testing.assert_close(zero2[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
 def test_two_processes_keep_identical_parameters(tiny_model_dir: Path, tmp_path: Path) -> None:
-    command, env = two_process_launch(tiny_model_dir, tmp_path, {"max_steps": 2})
+    command, env = two_process_launch(tiny_model_dir, tmp_path, {"max_steps": 2, "scale_rewards": "batch"})
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MULTI_CPU" in result.stdout
@@ -203,6 +304,47 @@ def test_two_processes_keep_identical_parameters(tiny_model_dir: Path, tmp_path:
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2]
+
+    # scale_rewards: batch takes the std over every process's kept rewards, as TRL does.
+    records = [json.loads((tmp_path / f"record-rank{rank}.json").read_text()) for rank in (0, 1)]
+    m = TINY_SETTINGS["num_generations_kept"]
+    for step in range(2):
+        kept = [
+            torch.tensor(count_of_a(None, r["updates"][step]["texts"]), dtype=torch.float64) for r in records
+        ]
+        std = torch.cat(kept).std()
+        assert torch.cat(kept).view(-1, m).std(dim=1).max() > 0, "no spread to scale"
+        for rank in (0, 1):
+            rewards = kept[rank].view(-1, m)
+            expected = (rewards - rewards.mean(dim=1, keepdim=True)) / (std + 1e-4)
+            expected = expected.masked_fill((rewards.amax(1) == rewards.amin(1)).unsqueeze(1), 0.0)
+            actual = torch.tensor(records[rank]["updates"][step]["advantages"], dtype=torch.float64)
+            torch.testing.assert_close(actual, expected.flatten(), rtol=1e-5, atol=1e-6)
+
+
+def test_updates_use_exactly_the_rows_the_rule_kept(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The update sees the max-variance m of each group's n, in order, with their advantages."""
+    config = tiny_config(tiny_model_dir, tmp_path, max_steps=2, save_final=False)
+    trainer = RecordingTrainer(config, reward_funcs=[count_of_a], train_dataset=tiny_dataset())
+    trainer.train()
+    n, m = config.num_generations, config.num_generations_kept
+    for scored, update in zip(trainer.scored, trainer.updates, strict=True):
+        rewards = torch.tensor(scored["rewards"], dtype=torch.float64)  # [prompts, n]
+        for group, row in enumerate(rewards):
+            texts = scored["texts"][group * n : (group + 1) * n]
+            positions: list[int] = []  # where this group's kept texts sit among its n (a text may repeat)
+            for text in update["texts"][group * m : (group + 1) * m]:
+                assert text in texts, f"group {group} trained on a completion of another group"
+                positions.append(next(i for i, t in enumerate(texts) if t == text and i not in positions))
+            best = max(row[list(c)].var().item() for c in itertools.combinations(range(n), m))
+            kept = row[positions]
+            assert kept.var().item() == pytest.approx(best), (group, positions)
+            expected = (
+                (kept - kept.mean()) / (kept.std() + 1e-4) if kept.std() > 0 else torch.zeros_like(kept)
+            )
+            actual = torch.tensor(update["advantages"][group * m : (group + 1) * m], dtype=torch.float64)
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    assert len(set(update["texts"])) > 1
 
 
 def test_configuration_errors_before_any_work(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -138,12 +138,9 @@ def test_scale_mapping_and_summed_rewards() -> None:
     ]
     with pytest.raises(ValueError, match="scale_rewards"):
         advantage_scale("std")
-    per_func = torch.tensor([[1.0, float("nan")], [0.5, 2.0]])
-    assert summed_rewards(per_func, torch.tensor([1.0, 0.5])).tolist() == [1.0, 1.5]
-    with pytest.raises(
-        ValueError, match=r"returned None for 1 completion\(s\) \(first at row 1\).*return 0.0"
-    ):
-        summed_rewards(torch.tensor([[1.0], [float("nan")]]), torch.ones(1))
+    per_func = torch.tensor([[1.0, float("nan")], [0.5, 2.0], [float("nan"), float("nan")]])
+    summed = summed_rewards(per_func, torch.tensor([1.0, 0.5]))
+    assert summed[:2].tolist() == [1.0, 1.5] and summed[2].isnan()  # every function None: NaN, as in TRL
 
 
 def test_take_rows_keeps_every_per_row_entry_and_refuses_unknown_shapes() -> None:
@@ -218,6 +215,91 @@ def test_generation_batch_keeps_the_selected_rows_of_each_group(
     assert trainer._generate_and_score_completions(inputs)["completion_ids"].shape[0] == 16
 
 
+def test_unscorable_completions_follow_trls_rule(tiny_model_dir, prompts, tmp_path) -> None:
+    """A completion every reward function scores None: left out of the mean and std, advantage 0 (TRL)."""
+    seen: list[list[int]] = []
+
+    def sometimes_none(completion_ids, **kwargs):
+        seen.extend(completion_ids)
+        return [None if sum(ids) % 3 == 0 else float(sum(ids) % 4) for ids in completion_ids]
+
+    args = tiny_args(
+        PODSConfig, tmp_path, num_generations_kept=3, per_device_train_batch_size=12, num_generations=6
+    )
+    trainer = PODSTrainer(str(tiny_model_dir), sometimes_none, args, prompts)
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    rewards = torch.tensor([float("nan") if sum(ids) % 3 == 0 else float(sum(ids) % 4) for ids in seen]).view(
+        -1, 6
+    )
+    assert rewards.isnan().any(), "the draw has no unscorable completion; change the reward"
+    kept = torch.tensor(
+        [
+            seen.index(ids[mask.bool()].tolist())
+            for ids, mask in zip(batch["completion_ids"], batch["completion_mask"], strict=True)
+        ]
+    )
+    kept_rewards = rewards.flatten()[kept].view(-1, 3)
+    advantages = batch["advantages"].view(-1, 3)
+    for group, values in enumerate(kept_rewards):
+        scored = values[~values.isnan()]
+        assert advantages[group][values.isnan()].eq(0).all()
+        if len(scored) > 1 and scored.std() > 0:
+            expected = (scored - scored.mean()) / (scored.std() + 1e-4)
+            torch.testing.assert_close(advantages[group][~values.isnan()], expected, rtol=1e-5, atol=1e-6)
+    assert trainer._metrics["train"]["reward"] == [pytest.approx(rewards.nanmean().item())]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_old_and_reference_logprobs_are_computed_on_the_kept_rows_only(
+    tiny_model_dir, prompts, tmp_path, lora: bool
+) -> None:
+    """TRL computes them for all n before rewards exist; PODS computes them after selection, for the m kept,
+    with the same values TRL's computation over all n gives those rows (LoRA: reference = adapter disabled)."""
+    from peft import LoraConfig
+
+    args = tiny_args(
+        PODSConfig,
+        tmp_path,
+        num_generations_kept=2,
+        gradient_accumulation_steps=2,
+        num_iterations=2,  # generation every 4 micro-steps, accumulation over 2: TRL needs old log-probs
+        beta=0.04,
+    )
+    peft_config = (
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False) if lora else None
+    )
+    trainer = PODSTrainer(str(tiny_model_dir), token_sum_reward, args, prompts, peft_config=peft_config)
+    rows_seen = []
+    compute = trainer._get_per_token_logps_and_entropies
+
+    def counting(model, input_ids, *rest, **kwargs):
+        result = compute(model, input_ids, *rest, **kwargs)
+        if result[0] is not None:
+            rows_seen.append(input_ids.shape[0])
+        return result
+
+    trainer._get_per_token_logps_and_entropies = counting
+    trainer.model.train()
+    inputs = next(iter(trainer.get_train_dataloader()))
+    torch.manual_seed(5)
+    kept_only = trainer._generate_and_score_completions(inputs)
+    assert rows_seen == [8, 8]  # old, then reference: the 8 kept of 16 generated
+
+    trainer._defer_logps = lambda inputs: False  # TRL's way: all 16 rows, then the kept 8 are taken
+    torch.manual_seed(5)
+    all_rows = trainer._generate_and_score_completions(inputs)
+    assert rows_seen[2:] == [16, 16]
+    assert torch.equal(kept_only["completion_ids"], all_rows["completion_ids"])
+    mask = kept_only["completion_mask"].bool()
+    for key in ("old_per_token_logps", "ref_per_token_logps"):
+        torch.testing.assert_close(kept_only[key][mask], all_rows[key][mask], rtol=1e-5, atol=1e-6)
+    if lora:  # a random adapter: the reference (adapter disabled) differs from the policy
+        assert not torch.allclose(
+            kept_only["old_per_token_logps"][mask], kept_only["ref_per_token_logps"][mask]
+        )
+
+
 @pytest.mark.parametrize("rule", ["max_variance", "max_reward", "random", "test_lowest"])
 def test_two_training_steps_per_rule(tiny_model_dir, prompts, tmp_path, rule: str) -> None:
     args = tiny_args(PODSConfig, tmp_path, num_generations_kept=2, selection_rule=rule)
@@ -239,6 +321,35 @@ def test_two_training_steps_per_rule(tiny_model_dir, prompts, tmp_path, rule: st
             assert kept <= everything
         if rule == "max_variance":  # max-variance keeps a spread in every group that has one
             assert log["pods/frac_reward_zero_std_kept"] == log["frac_reward_zero_std"]
+
+
+@pytest.mark.slow
+def test_random_rule_draws_resume_exactly(tiny_model_dir, prompts, tmp_path) -> None:
+    """After resuming from a checkpoint, the random rule keeps what an uninterrupted run keeps."""
+
+    def run(folder, resume=None):
+        args = tiny_args(
+            PODSConfig,
+            folder,
+            num_generations_kept=2,
+            selection_rule="random",
+            max_steps=4,
+            save_strategy="steps",
+            save_steps=2,
+        )
+        trainer = PODSTrainer(str(tiny_model_dir), token_sum_reward, args, prompts)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, [
+            log["pods/reward_kept"] for log in trainer.state.log_history if "pods/reward_kept" in log
+        ]
+
+    whole, kept_whole = run(tmp_path / "whole")
+    resumed, kept_resumed = run(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-2"))
+    assert kept_resumed == kept_whole and len(kept_whole) == 4
+    for (name, a), b in zip(
+        whole.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
 
 
 def test_m_equal_n_reproduces_grpo_exactly(tiny_model_dir, prompts, tmp_path) -> None:

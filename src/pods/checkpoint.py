@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from pods.config import ConfigError
+
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 SCHEDULER_FILE = (
@@ -32,7 +34,7 @@ class CheckpointWriteError(RuntimeError):
     """Writing a checkpoint failed (disk full, permissions); the earlier checkpoints are intact."""
 
 
-class DamagedCheckpointError(ValueError):
+class DamagedCheckpointError(ConfigError):
     """A checkpoint's files do not match its manifest (or it has none); the message names the file."""
 
 
@@ -44,7 +46,6 @@ class TrainerState:
     train_seconds: float = 0.0  # training wall-clock so far (evaluation and checkpointing excluded)
     last_eval_seconds: float | None = None  # train_seconds at the last evaluation
     last_save_seconds: float = 0.0
-    best_accuracy: float | None = None
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
     consecutive_skips: int = 0
 

@@ -41,11 +41,11 @@ def load_train_config(config: str | None, overrides: list[str]):
 
 # ---------------------------------------------------------------------------------------------- train
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    config = load_train_config(args.config, overrides)  # first: a bad key fails before torch is imported
     from pods.plotting import plot_runs
     from pods.trainer import TrainingStopped, train
 
-    config = load_train_config(args.config, overrides)
-    _quiet_libraries()
+    quiet_libraries()
     try:
         result = train(config)
     except TrainingStopped as stopped:
@@ -101,7 +101,7 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from pods.evaluation import evaluate
     from pods.models import load_tokenizer
 
-    _quiet_libraries()
+    quiet_libraries()
     model_dir = find_model_folder(args.model)
     model = load_model_for_eval(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -226,50 +226,100 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else "no details"
 
 
-# ---------------------------------------------------------------------------------------------- compare
-def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
-    from datetime import datetime
+# ---------------------------------------------------------------------------------------------- sweep
+def _sweep(args: argparse.Namespace, overrides: list[str]) -> int:
+    from pods.sweep import SWEEP_SETS, grid_arms, parse_arm, parse_grid, run_sweep
 
+    grid = [parse_grid(spec) for spec in args.grid or []]
+    arms = grid_arms(grid) if grid else []
+    arms += [parse_arm(spec) for spec in args.arm or []]
+    if not arms:
+        raise SystemExit("pods sweep: error: give --grid KEY=V1,V2,... and/or --arm NAME:KEY=VALUE,...")
+    per_arm = {key for arm in arms for key in arm.overrides} | set(SWEEP_SETS) | {"eval_at_start"}
+    _reject_per_arm_keys(overrides, tuple(per_arm), "pods sweep", "put the values in --grid or --arm")
+    config = load_train_config(args.config or "compare-embedded", overrides)
+    quiet_libraries()
+    output = _experiment_folder(args, "sweep")
+    summary = run_sweep(
+        config,
+        arms,
+        _seeds(args.seeds),
+        output,
+        baseline=args.baseline,
+        target=args.target,
+        swept_keys=[key for key, _ in grid],
+        resume_command=_resume_command(args, output),
+    )
+    return _report(summary, output)
+
+
+def _compare(args: argparse.Namespace, overrides: list[str]) -> int:
     from pods.compare import ARM_KEYS, run_comparison
+
+    _reject_per_arm_keys(overrides, ARM_KEYS, "pods compare", "choose --arms")
+    config = load_train_config(args.config or "compare-embedded", overrides)
+    quiet_libraries()
+    output = _experiment_folder(args, "compare")
+    arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
+    summary = run_comparison(
+        config, output, arms, _seeds(args.seeds), resume_command=_resume_command(args, output)
+    )
+    return _report(summary, output)
+
+
+def _reject_per_arm_keys(overrides: list[str], keys: tuple[str, ...], command: str, hint: str) -> None:
+    """An override of a key that every arm sets itself would be silently ignored: refuse it."""
     from pods.config import ConfigError, parse_overrides
 
     for key in parse_overrides(overrides):
-        if key in ARM_KEYS:
-            hint = {"seed": "use --seeds 0,1,...", "output_dir": "use --output FOLDER"}.get(
-                key, "choose --arms"
-            )
-            raise ConfigError(f"--{key} is set per arm by pods compare, so it cannot be overridden; {hint}")
-    config_name = args.config or "compare-embedded"
-    config = load_train_config(config_name, overrides)
-    _quiet_libraries()
-    output = Path(args.output or Path("runs") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
-    arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
-    seeds = [int(seed) for seed in args.seeds.split(",")]
-    summary = run_comparison(config, output, arms, seeds)
-    print("\n| arm | peak accuracy (mean over seeds) | at training second | s/step (generate + update) |")
-    print("|---|---|---|---|")
-    for arm, row in summary["arms"].items():
-        print(
-            f"| {arm} | {row['peak_accuracy']:.1%} (from {row['initial_accuracy']:.1%}) | {row['peak_seconds']:.0f} | "
-            f"{row['seconds_per_step']:.2f} ({row['seconds_generate_per_step']:.2f} + {row['seconds_update_per_step']:.2f}) |"
-        )
-    for arm, value in summary["speedup_vs_grpo"].items():
-        per_seed = ", ".join(_format_speedup(v) for v in summary["speedup_per_seed"][arm])
-        print(
-            f"\n{arm} vs GRPO: time to GRPO's 99%-of-peak accuracy ({value['target_accuracy']:.1%}): {_format_speedup(value)}"
-        )
-        print(f"  per seed: {per_seed}")
-    print(
-        f"\nWritten: {output / 'summary.json'}, {output / 'accuracy_vs_time.csv'}, {output / 'accuracy_vs_time.png'}"
-    )
+        if key in keys:
+            fix = {"seed": "use --seeds 0,1,...", "output_dir": "use --output FOLDER"}.get(key, hint)
+            raise ConfigError(f"--{key} is set per arm by {command}, so it cannot be overridden; {fix}")
+
+
+def _experiment_folder(args: argparse.Namespace, kind: str) -> Path:
+    from datetime import datetime
+
+    return Path(args.output or Path("runs") / f"{kind}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+
+
+def _seeds(text: str) -> list[int]:
+    from pods.config import ConfigError
+
+    try:
+        return [int(seed) for seed in text.split(",") if seed.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds {text!r}: give comma-separated integers, e.g. --seeds 0,1,2") from None
+
+
+def _resume_command(args: argparse.Namespace, output: Path) -> str:
+    """The command that continues this experiment: the same arguments, with its output folder named."""
+    import shlex
+
+    words = list(args.argv)
+    if not args.output:
+        words += ["--output_dir", str(output)]
+    return "pods " + shlex.join(words)
+
+
+def _report(summary: dict, output: Path) -> int:
+    from pods.sweep import format_summary
+
+    print("\n" + format_summary(summary))
+    written = [output / "summary.json", output / "evaluations.csv", *sorted(output.glob("accuracy_vs_*.png"))]
+    print("\nWritten: " + ", ".join(str(path) for path in written))
     return 0
 
 
-def _format_speedup(value: dict) -> str:
-    if value.get("speedup") is None:
-        return f"n/a ({value.get('note')})"
-    return (
-        f"{value['speedup']:.2f}x (GRPO {value['grpo_seconds']:.0f} s, other {value['other_seconds']:.0f} s)"
+def _add_experiment_options(parser: argparse.ArgumentParser, seeds: str) -> None:
+    parser.add_argument("--config", help="a preset name or YAML file (default: compare-embedded)")
+    parser.add_argument("--seeds", default=seeds, help=f"comma-separated seeds (default: {seeds})")
+    _option(
+        parser,
+        "output",
+        "--output_dir",
+        "--output-dir",
+        help="experiment folder (default: runs/<kind>-<time>); re-run with the same folder to continue",
     )
 
 
@@ -287,8 +337,13 @@ def _demo(args: argparse.Namespace, overrides: list[str]) -> int:
     """Show what each selection rule keeps from a random binary/partial-credit reward matrix."""
     import torch
 
+    from pods.config import ConfigError
     from pods.selection import available_rules, select, subset_variance
 
+    if not 1 <= args.m <= args.n or args.groups < 1:
+        raise ConfigError(
+            f"--m must be between 1 and --n, and --groups at least 1; got m={args.m}, n={args.n}, groups={args.groups}"
+        )
     generator = torch.Generator().manual_seed(args.seed)
     levels = torch.tensor([0.0, 0.1, 1.0, 1.2])
     rewards = levels[torch.randint(len(levels), (args.groups, args.n), generator=generator)]
@@ -397,17 +452,48 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         help="GRPO vs PODS side by side under the same wall-clock budget; plot and speed-up",
         description="Run GRPO (n = m) and PODS (n = 4m) with the same seeds and training-time budget, "
-        "evaluating periodically (evaluation excluded from the clock); report the paper's speed-up metric.",
+        "evaluating periodically (evaluation excluded from the clock); report accuracies and speed-ups "
+        "with 95% intervals over seeds. A pods sweep with named arms and GRPO as the baseline.",
         epilog="Any configuration key can be overridden as --key value, as for pods train, except those set per "
         "arm (num_generations, selection_rule, seed, output_dir, resume_from, eval_at_start).",
     )
-    compare.add_argument("--config", help="a preset name or YAML file (default: compare-embedded)")
     compare.add_argument("--arms", default="grpo,pods", help="comma-separated: grpo,pods,random,max_reward")
-    compare.add_argument("--seeds", default="0,1", help="comma-separated seeds (default: 0,1)")
-    _option(
-        compare, "output", "--output_dir", "--output-dir", help="output folder (default: runs/compare-<time>)"
-    )
+    _add_experiment_options(compare, seeds="0,1")
     compare.set_defaults(handler=_compare)
+
+    sweep = commands.add_parser(
+        "sweep",
+        allow_abbrev=False,
+        help="a grid over one or two configuration keys x seeds; accuracies and speed-ups with intervals",
+        description="Train every arm (a grid value, or a named arm) for every seed under the same "
+        "training-time budget, evaluation off the clock; write every evaluation (CSV), a summary with 95% "
+        "intervals over seeds (accuracy at the budget, best accuracy, time to target, speed-ups against the "
+        "baseline arm per second and per step) and plots. Interrupted? Run the same command again: finished "
+        "runs are kept and the unfinished one resumes. See docs/experiments.md.",
+        epilog="Examples:\n"
+        "  pods sweep --grid num_generations=4,8,16,32,64 --seeds 0,1,2\n"
+        "  pods sweep --grid selection_rule=max_variance,random,max_reward "
+        "--arm grpo:num_generations=4,selection_rule=all --baseline grpo\n"
+        "  pods sweep --grid learning_rate=2e-5,5e-5,1e-4 --grid num_generations=4,16\n"
+        "Any configuration key can be overridden as --key value, as for pods train.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sweep.add_argument(
+        "--grid",
+        action="append",
+        help="KEY=V1,V2,... (repeat once for a second key: the arms are the product)",
+    )
+    sweep.add_argument(
+        "--arm", action="append", help="NAME:KEY=VALUE,KEY=VALUE: a named arm next to the grid (repeatable)"
+    )
+    sweep.add_argument(
+        "--baseline", help="the arm the speed-ups are measured against (default: the first arm)"
+    )
+    sweep.add_argument(
+        "--target", type=float, help="accuracy to time (default: 99%% of the baseline's smoothed peak)"
+    )
+    _add_experiment_options(sweep, seeds="0,1,2")
+    sweep.set_defaults(handler=_sweep)
 
     plot = commands.add_parser(
         "plot", allow_abbrev=False, help="redraw accuracy and reward against time and steps from saved runs"
@@ -433,26 +519,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    if extra and args.command not in ("train", "compare"):
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if extra and args.command not in ("train", "compare", "sweep"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from pods.checkpoint import CheckpointWriteError
     from pods.config import ConfigError
     from pods.scoring import RewardFunctionError
+    from pods.sweep import SweepInterrupted
     from pods.trainer import NonFiniteError
 
     try:
         return args.handler(args, extra)
-    except (
-        ConfigError,
-        RewardFunctionError,
-        NonFiniteError,
-        CheckpointWriteError,
-        ValueError,
-        OSError,
-        ImportError,
-    ) as error:
+    # pods' own errors for input that cannot run (ConfigError: bad configuration, data, model or checkpoint)
+    # or for a run that cannot go on; anything else is a bug and keeps its traceback.
+    except (ConfigError, RewardFunctionError, NonFiniteError, CheckpointWriteError) as error:
         print(f"pods {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except SweepInterrupted as stopped:
+        print(f"\npods {args.command}: {stopped}", file=sys.stderr)
+        return stopped.exit_code
     except KeyboardInterrupt:
         resume = (
             " (pods train: the step in flight is lost; --resume_from auto continues from the last checkpoint)"
@@ -461,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """Quiet the libraries' own chatter (weight-loading bars, save notices) so the run's output reads."""
     import logging
 

@@ -61,7 +61,10 @@ class TrainConfig:
     train_limit: int | None = None
 
     # --- rollouts ---
-    num_generations: int = 16  # n: completions generated per prompt
+    num_generations: int | str = 16  # n: completions generated per prompt, or "auto" (chosen as it runs)
+    num_generations_min: int | None = None  # bounds of n for "auto"; default m
+    num_generations_max: int | None = None  # default 16 m
+    num_generations_every: int = 5  # "auto" re-decides n every this many steps
     num_generations_kept: int = 4  # m: completions trained on per prompt (m = n is plain GRPO)
     selection_rule: str = "max_variance"  # max_variance, max_reward, random, all, or a registered rule
     prompts_per_step: int = 16  # prompts per step per process
@@ -139,18 +142,30 @@ class TrainConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise ``ConfigError`` for any setting that cannot work, before any work starts."""
-        n, m = self.num_generations, self.num_generations_kept
-        _require(n >= 1, "num_generations", f"must be at least 1, got {n}")
+        m = self.num_generations_kept
         _require(m >= 2, "num_generations_kept", f"must be at least 2 (advantages need a group), got {m}")
-        _require(
-            m <= n,
-            "num_generations_kept",
-            f"m={m} cannot exceed num_generations n={n}: PODS keeps m of the n rollouts of each prompt",
-        )
-        if self.selection_rule == "all":
+        if isinstance(self.num_generations, str):
+            self._validate_auto()
+        else:
+            n = self.num_generations
+            _require(n >= 1, "num_generations", f"must be at least 1, got {n}")
             _require(
-                m == n, "selection_rule", f"'all' keeps every rollout, so set num_generations_kept = n = {n}"
+                m <= n,
+                "num_generations_kept",
+                f"m={m} cannot exceed num_generations n={n}: PODS keeps m of the n rollouts of each prompt",
             )
+            if self.selection_rule == "all":
+                _require(
+                    m == n,
+                    "selection_rule",
+                    f"'all' keeps every rollout, so set num_generations_kept = n = {n}",
+                )
+            for key in ("num_generations_min", "num_generations_max"):
+                _require(
+                    getattr(self, key) is None,
+                    key,
+                    f"bounds n only with num_generations: auto (n is fixed at {n}); remove it or set auto",
+                )
         _require(
             self.prompts_per_step >= 1, "prompts_per_step", f"must be at least 1, got {self.prompts_per_step}"
         )
@@ -240,6 +255,35 @@ class TrainConfig:
             "must be positive (seconds), or null for no limit",
         )
         _require(self.eval_samples >= 1, "eval_samples", "must be at least 1")
+
+    def _validate_auto(self) -> None:
+        from pods.auto_generations import MODELLED_RULES
+
+        m = self.num_generations_kept
+        _require(
+            self.num_generations == "auto",
+            "num_generations",
+            f"must be a number or 'auto', got {self.num_generations!r}",
+        )
+        _require(
+            self.selection_rule in MODELLED_RULES,
+            "selection_rule",
+            f"num_generations: auto models the rules {', '.join(MODELLED_RULES)}, not {self.selection_rule!r} "
+            "(GRPO, rule 'all', has n = m: set num_generations to m)",
+        )
+        low, high = self.generation_bounds
+        _require(low >= m, "num_generations_min", f"must be at least m = {m}, got {low}")
+        _require(
+            high >= low, "num_generations_max", f"must be at least num_generations_min = {low}, got {high}"
+        )
+        _require(self.num_generations_every >= 1, "num_generations_every", "must be at least 1")
+
+    @property
+    def generation_bounds(self) -> tuple[int, int]:
+        """The range of n that ``num_generations: auto`` chooses from."""
+        m = self.num_generations_kept
+        low = self.num_generations_min if self.num_generations_min is not None else m
+        return low, self.num_generations_max if self.num_generations_max is not None else max(16 * m, low)
 
     def check_names(self) -> None:
         """Check the names that live in registries (rule, rewards, task); imports the registries."""

@@ -64,8 +64,9 @@ def build_tokenizer():
     )
 
 
-def build_untrained_model(tokenizer: Any, *, seed: int = 0):
-    """A randomly initialised Llama-architecture causal LM (tied embeddings) sized for the task."""
+def build_untrained_model(tokenizer: Any, *, seed: int = 0, sizes: dict[str, int] | None = None):
+    """A randomly initialised Llama-architecture causal LM (tied embeddings) sized for the task
+    (``sizes`` overrides :data:`MODEL_CONFIG`, e.g. a larger model for a GPU)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -75,7 +76,7 @@ def build_untrained_model(tokenizer: Any, *, seed: int = 0):
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **MODEL_CONFIG,
+        **{**MODEL_CONFIG, **(sizes or {})},
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -117,7 +118,7 @@ def generate_answers(
     model.eval()
     with torch.no_grad():
         for i in range(0, len(prompts), batch_size):
-            batch = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True)
+            batch = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True).to(model.device)
             sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
             ids = model.generate(
                 **batch,
@@ -160,9 +161,18 @@ def build_base_model(
     misconception_rate: float = 0.6,
     eval_problems: int = 500,
     progress: bool = True,
+    sizes: dict[str, int] | None = None,
+    device: str = "cpu",
+    max_seconds: float | None = None,
+    distinct_pairs: int | None = None,
 ) -> dict[str, Any]:
     """Supervised pre-training from scratch on the task's worked solutions (with the misconception mix)
-    for a fixed number of steps; saves a standard Hugging Face folder and returns measured metrics."""
+    for a fixed number of steps; saves a standard Hugging Face folder and returns measured metrics.
+
+    For larger models on a GPU (``scripts/gpu_check.py``): ``sizes`` overrides the model's dimensions,
+    ``device`` trains there (bf16 autocast on CUDA), ``max_seconds`` ends training early (the learning
+    rate schedule then follows the elapsed time) and ``distinct_pairs`` caps the generated examples
+    (they are cycled), since generating them costs CPU time."""
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -170,19 +180,24 @@ def build_base_model(
         raise ValueError(f"steps and batch_size must be positive, got steps={steps}, batch_size={batch_size}")
     output_dir = Path(output_dir)
     tokenizer = build_tokenizer()
-    model = build_untrained_model(tokenizer, seed=seed)
-    pairs = arith.supervised_pairs(steps * batch_size, seed=seed, misconception_rate=misconception_rate)
+    model = build_untrained_model(tokenizer, seed=seed, sizes=sizes).to(device)
+    count = min(steps * batch_size, distinct_pairs or steps * batch_size)
+    pairs = arith.supervised_pairs(count, seed=seed, misconception_rate=misconception_rate)
     random.Random(seed).shuffle(pairs)
+    pairs = pairs * math.ceil(steps * batch_size / len(pairs))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
 
     def schedule(step: int) -> float:  # linear warm-up, then cosine down to 10%
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         t = (step - warmup_steps) / max(1, steps - warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+        if max_seconds:
+            t = max(t, (time.perf_counter() - start) / max_seconds)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     start, losses = time.perf_counter(), []
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model.train()
     columns = [
         TextColumn("pre-training base model"),
@@ -193,8 +208,12 @@ def build_base_model(
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("sft", total=steps, loss=float("nan"))
         for step in range(steps):
-            input_ids, mask, labels = _batch(tokenizer, pairs[step * batch_size : (step + 1) * batch_size])
-            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            if max_seconds and time.perf_counter() - start >= max_seconds:
+                break
+            batch = _batch(tokenizer, pairs[step * batch_size : (step + 1) * batch_size])
+            input_ids, mask, labels = (tensor.to(device) for tensor in batch)
+            with autocast:
+                loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -203,7 +222,7 @@ def build_base_model(
             losses.append(loss.item())
             bar.update(task, advance=1, loss=sum(losses[-20:]) / len(losses[-20:]))
     train_seconds = time.perf_counter() - start
-    metrics: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "seed": seed, "lr": lr}
+    metrics: dict[str, Any] = {"steps": len(losses), "batch_size": batch_size, "seed": seed, "lr": lr}
     metrics |= {"final_loss": sum(losses[-20:]) / len(losses[-20:]), "train_seconds": round(train_seconds, 1)}
     metrics["parameters"] = sum(p.numel() for p in model.parameters())
     if eval_problems:

@@ -31,6 +31,9 @@ class TrainingStopped(Exception):
             f"continue with output_dir: {output_dir} and resume_from: auto"
         )
 
+    def __reduce__(self):  # picklable, for runs in worker processes
+        return type(self), (self.signal_name, self.step, self.checkpoint, self.output_dir)
+
     @property
     def exit_code(self) -> int:
         """128 + the signal's number, as shells report a process ended by that signal (SIGTERM 143, SIGINT 130)."""

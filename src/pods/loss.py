@@ -143,14 +143,13 @@ def completion_logprobs(
     completion_mask: Tensor,
     *,
     temperature: float = 1.0,
-    micro_batch_size: int | None = None,
     chunk_size: int | None = None,
 ) -> Tensor:
     """Log-probs ``[B, Lc]`` (float32) of ``completion_ids`` under ``model`` given left-padded prompts.
 
     Positions come from the attention mask, so a left-padded row scores exactly as it would unpadded.
-    Inputs may live on the CPU (as :class:`pods.rollout.Rollouts` does): each micro-batch is moved to the
-    model's device, and the result is on that device.
+    Inputs may live on the CPU (as :class:`pods.rollout.Rollouts` does): they are moved to the model's
+    device, and the result is on that device. Callers split a batch into micro-batches themselves.
     Gradients flow unless the caller wraps this in ``torch.no_grad()`` (as it should for old/ref
     log-probs). Values at masked completion positions are finite but meaningless (0 past the longest
     completion of a micro-batch).
@@ -169,8 +168,6 @@ def completion_logprobs(
         raise ValueError(
             f"prompt and completion batch sizes differ: {prompt_ids.shape[0]} vs {completion_ids.shape[0]}."
         )
-    if micro_batch_size is not None and micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}.")
 
     batch, num_completion = completion_ids.shape
     if batch and int(prompt_mask.sum(dim=1).min()) == 0:
@@ -180,28 +177,21 @@ def completion_logprobs(
         return torch.zeros(batch, num_completion, dtype=torch.float32, device=device)
     use_logits_to_keep = _accepts_logits_to_keep(model)
 
-    step = micro_batch_size or batch
-    parts = []
-    for start in range(0, batch, step):
-        rows = slice(start, start + step)
-        # Trim columns that are padding in every row of this micro-batch: leading prompt padding and
-        # trailing completion padding (pure speed-up: positions come from the mask).
-        first = int(prompt_mask[rows].any(dim=0).long().argmax())
-        width = max(1, _last_used_column(completion_mask[rows]) + 1)
-        ids = torch.cat([prompt_ids[rows, first:], completion_ids[rows, :width]], dim=1).to(device)
-        mask = torch.cat([prompt_mask[rows, first:], completion_mask[rows, :width]], dim=1).long().to(device)
-        position_ids = (mask.cumsum(dim=1) - 1).clamp_min(0)
-        keep = {"logits_to_keep": width + 1} if use_logits_to_keep else {}
-        logits = model(
-            input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **keep
-        ).logits
-        # The logit at position t predicts token t + 1: the last width + 1 logits minus the final one.
-        logits = logits[:, -(width + 1) : -1]
-        part = selected_token_logprobs(
-            logits, completion_ids[rows, :width].to(device), temperature, chunk_size
-        )
-        parts.append(torch.nn.functional.pad(part, (0, num_completion - width)))
-    return torch.cat(parts, dim=0)
+    # Trim columns that are padding in every row: leading prompt padding and trailing completion padding
+    # (pure speed-up: positions come from the mask).
+    first = int(prompt_mask.any(dim=0).long().argmax())
+    width = max(1, _last_used_column(completion_mask) + 1)
+    ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :width]], dim=1).to(device)
+    mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :width]], dim=1).long().to(device)
+    position_ids = (mask.cumsum(dim=1) - 1).clamp_min(0)
+    keep = {"logits_to_keep": width + 1} if use_logits_to_keep else {}
+    logits = model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **keep
+    ).logits
+    # The logit at position t predicts token t + 1: the last width + 1 logits minus the final one.
+    logits = logits[:, -(width + 1) : -1]
+    logprobs = selected_token_logprobs(logits, completion_ids[:, :width].to(device), temperature, chunk_size)
+    return torch.nn.functional.pad(logprobs, (0, num_completion - width))
 
 
 @dataclass

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from pods.config import ConfigError
 from pods.metrics import read_jsonl
 
 
-class RunNotFoundError(ValueError):
+class RunNotFoundError(ConfigError):
     """A folder given to plot is not a pods run."""
 
 
@@ -56,50 +57,99 @@ def plot_runs(
     return output
 
 
-def plot_comparison(
+def plot_sweep_curves(
     curves: dict[str, list[tuple[list[float], list[float]]]], output: str | Path, title: str
 ) -> Path:
-    """Accuracy against training time per arm: the mean over seeds with the min-max spread shaded.
-
-    ``curves[arm]`` holds one ``(seconds, accuracy)`` pair of lists per seed, evaluation k of every seed
-    being averaged together (evaluations happen every fixed amount of training time).
-    """
+    """Accuracy against training time per arm: the mean over seeds (points), its 95% band over seeds
+    (shaded) and the smoothed monotone curve the speed-ups are read from (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from pods.stats import common_grid, smoothed_mean_curve
+
     figure, axis = plt.subplots(figsize=(8, 5))
     for arm, runs in curves.items():
-        seconds, mean, low, high = mean_curve(runs)
-        axis.plot(
-            seconds,
-            [100 * a for a in mean],
-            "o-",
-            markersize=3,
-            label=f"{arm} ({len(runs)} seed{'s' if len(runs) != 1 else ''})",
-        )
-        axis.fill_between(seconds, [100 * a for a in low], [100 * a for a in high], alpha=0.2)
+        grid = common_grid([runs])
+        mean, smoothed, band = smoothed_mean_curve(runs, grid)
+        label = f"{arm} ({len(runs)} seed{'s' if len(runs) != 1 else ''})"
+        (line,) = axis.plot(grid, 100 * mean, "o-", markersize=3, linewidth=1, label=label)
+        axis.fill_between(grid, 100 * (mean - band), 100 * (mean + band), alpha=0.15, color=line.get_color())
+        axis.plot(grid, 100 * smoothed, "--", color=line.get_color(), linewidth=1.5)
     axis.set(
-        xlabel="training wall-clock (s, evaluation excluded)", ylabel="held-out accuracy (%)", title=title
+        xlabel="training wall-clock (s, evaluation excluded)",
+        ylabel="held-out accuracy (%)",
+        title=title + "\n(dashed: smoothed, monotone; the speed-ups are read from it)",
     )
     axis.grid(alpha=0.3)
-    axis.legend()
+    axis.legend(fontsize=8)
+    return _save(figure, output)
+
+
+def plot_sweep_values(summary: dict, swept_keys: list[str], output: str | Path) -> Path:
+    """Accuracy at the budget (mean and 95% interval over seeds) against the first swept key's value, one
+    line per value of the second key; arms without a numeric value (e.g. ``auto``, named arms) are drawn
+    as horizontal lines with their interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = swept_keys[0]
+    lines: dict[str, list[tuple[float, dict]]] = {}
+    flat: list[tuple[str, dict]] = []
+    for arm, row in summary["arms"].items():
+        value = row["overrides"].get(key)
+        rest = ",".join(f"{k}={row['overrides'].get(k)}" for k in swept_keys[1:])
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            lines.setdefault(rest, []).append((float(value), row["accuracy_at_budget"]))
+        else:
+            flat.append((arm, row["accuracy_at_budget"]))
+    numeric = bool(lines)
+    if not numeric:  # categorical: every arm at its own position
+        lines = {"": [(float(i), acc) for i, (_, acc) in enumerate(flat)]}
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for label, points in lines.items():
+        points.sort(key=lambda item: item[0])
+        xs = [x for x, _ in points]
+        ys = [100 * acc["value"] for _, acc in points]
+        errors = [  # no bar where a single seed gives no interval
+            [
+                100 * (acc["value"] - (acc["low"] if acc["low"] is not None else acc["value"]))
+                for _, acc in points
+            ],
+            [
+                100 * ((acc["high"] if acc["high"] is not None else acc["value"]) - acc["value"])
+                for _, acc in points
+            ],
+        ]
+        axis.errorbar(xs, ys, yerr=errors, fmt="o-", capsize=4, label=label or None)
+    if numeric:
+        for index, (arm, acc) in enumerate(flat):
+            color = f"C{len(lines) + index}"  # apart from the lines' colours
+            axis.axhline(100 * acc["value"], linestyle="--", linewidth=1, label=arm, color=color)
+            if acc["low"] is not None:
+                axis.axhspan(100 * acc["low"], 100 * acc["high"], alpha=0.1, color=color)
+        if key == "num_generations" or all(x > 0 for pts in lines.values() for x, _ in pts):
+            axis.set_xscale("log", base=2)
+    else:
+        axis.set_xticks(range(len(flat)), [arm for arm, _ in flat], rotation=20, fontsize=8)
+    axis.set(xlabel=key, ylabel="accuracy at the budget (%)", title="mean over seeds, 95% interval")
+    axis.grid(alpha=0.3)
+    if any(axis.get_legend_handles_labels()[1]):
+        axis.legend(fontsize=8)
+    return _save(figure, output)
+
+
+def _save(figure, output: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
     figure.tight_layout()
     output = Path(output)
     figure.savefig(output, dpi=110)
     plt.close(figure)
     return output
-
-
-def mean_curve(
-    runs: list[tuple[list[float], list[float]]],
-) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Average the k-th evaluation over seeds (up to the shortest run): seconds, mean, min, max."""
-    length = min(len(seconds) for seconds, _ in runs)
-    seconds = [sum(run[0][k] for run in runs) / len(runs) for k in range(length)]
-    values = [[run[1][k] for run in runs] for k in range(length)]
-    return seconds, [sum(v) / len(v) for v in values], [min(v) for v in values], [max(v) for v in values]
 
 
 def _smooth(values: list[float], window: int = 5) -> list[float]:

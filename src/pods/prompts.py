@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pods.config import ConfigError
+
 __all__ = ["DEFAULT_PLAIN_TEMPLATE", "PROMPT_STYLES", "THINK_SYSTEM_PROMPT", "make_prompt", "render_prompt"]
 
 THINK_SYSTEM_PROMPT = (
@@ -72,7 +74,7 @@ def render_prompt(prompt: str | list[dict[str, str]], tokenizer: Any) -> str:
         raise ValueError("rendering chat messages needs a tokenizer (one with a chat template).")
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise ValueError(
+        raise ConfigError(
             f"the tokenizer {name!r} has no chat template, so chat prompts cannot be rendered; "
             'use prompt_style="plain" (a text template for base models) or set tokenizer.chat_template.'
         )

@@ -31,7 +31,9 @@ def score_completions(
     """Weighted sum of every reward function per completion: ``(total[N], {name: per_function[N]})``.
 
     Each function is called as ``f(prompts=..., completions=..., completion_ids=..., **columns)``
-    with one entry per completion. A ``None`` score means "does not apply" and adds nothing, as in TRL.
+    with one entry per completion. A ``None`` score means "does not apply" and adds nothing, as in TRL;
+    a completion that every function scores ``None`` is unscorable and its total is NaN (TRL's rule: it
+    is left out of the group's mean and std and trained with advantage 0).
     A call that takes longer than ``timeout`` seconds raises :class:`RewardFunctionError`.
     """
     weights = list(weights) if weights is not None else [1.0] * len(reward_funcs)
@@ -66,7 +68,8 @@ def score_completions(
         values = _as_scores(name, scores, completions)
         per_function[name] = values
         total += weight * torch.nan_to_num(values, nan=0.0)
-    return total, per_function
+    unscorable = torch.stack(list(per_function.values())).isnan().all(dim=0)
+    return total.masked_fill(unscorable, float("nan")), per_function
 
 
 class RewardTimeout(Exception):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from pods.advantages import downsample, nanstd
+from pods.auto_generations import AutoGenerations
 from pods.checkpoint import (
     STATE_FILE,
     TrainerState,
@@ -174,6 +175,15 @@ class PODSTrainer:
         self._saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint written or loaded
         self.metrics_log = JsonlLog(self.output_dir / "metrics.jsonl", enabled=acc.is_main_process)
         self.eval_log = JsonlLog(self.output_dir / "eval.jsonl", enabled=acc.is_main_process)
+        self.auto = None  # num_generations: auto chooses n as it runs (pods.auto_generations)
+        if cfg.num_generations == "auto":
+            low, high = cfg.generation_bounds
+            self.auto = AutoGenerations(
+                cfg.num_generations_kept, low, high, cfg.selection_rule, cfg.num_generations_every
+            )
+        self.auto_log = JsonlLog(
+            self.output_dir / "num_generations.jsonl", enabled=acc.is_main_process and self.auto is not None
+        )
 
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
@@ -189,6 +199,7 @@ class PODSTrainer:
         trainable = [p for p in self.policy.model.parameters() if p.requires_grad]
         optimizer = self._make_optimizer(trainable)
         self.scheduler = self._make_scheduler(optimizer)
+        deepspeed_batch_settings(acc, cfg.micro_batch_size, micro_batches, cfg.max_grad_norm)
         self.model, self.optimizer = acc.prepare(self.policy.model, optimizer)
         self.reference = None
         if cfg.beta > 0 and not self.policy.is_lora:
@@ -234,12 +245,14 @@ class PODSTrainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:
         cfg, acc = self.config, self.accelerator
-        n, m = cfg.num_generations, cfg.num_generations_kept
+        m = cfg.num_generations_kept
         state = self._resume_or_start()
         self.engine.sync_weights(acc.unwrap_model(self.model))  # the resumed weights, for vLLM
+        if self.auto and state.step == 0:
+            self.auto_log.append({"kind": "decision", **self.auto.first_decision().to_dict()})
         stop = StopRequests(reduce_max=self._synced_max if acc.num_processes > 1 else None)
         progress = TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time)
-        with stop, progress:
+        with stop, progress, self._trackers():
             progress.message(f"rollout engine: {cfg.rollout_engine} ({self.engine_reason})")
             if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
                 self._evaluate(state, progress)
@@ -247,6 +260,7 @@ class PODSTrainer:
                 timer = StepTimer()
                 self._seed_step(state.step)
                 batch = self.prompts.batch(state.step)
+                n = self.auto.current if self.auto else cfg.num_generations
 
                 with timer("generate"):  # 1. n completions per prompt
                     rollouts = self.engine.generate(self._render(batch), n, self.sampling)
@@ -274,6 +288,8 @@ class PODSTrainer:
                     state, timer, rollouts, rewards, chosen.rewards, per_function, update
                 )
                 self.metrics_log.append(metrics)
+                if self.auto:
+                    self._auto_step(state, rewards, per_function, timer)
                 if cfg.report_to:
                     acc.log(metrics, step=state.step)
                 progress.update(state.step, state.train_seconds, metrics)
@@ -291,12 +307,19 @@ class PODSTrainer:
             ):
                 self._evaluate(state, progress)
             checkpoint = self._save(state) if cfg.save_final or stopped else None
-        if cfg.report_to:
-            acc.end_training()
         if stopped:
             raise TrainingStopped(stop.agreed_signal, state.step, checkpoint, self.output_dir)
         evals = read_jsonl(self.eval_log.path) if self.eval_log.path.is_file() else []
         return TrainResult(self.output_dir, state.step, state.train_seconds, evals, checkpoint)
+
+    @contextlib.contextmanager
+    def _trackers(self):
+        """Flush and close the trackers (TensorBoard, W&B, ...) however the loop ends: done, stopped or failed."""
+        try:
+            yield
+        finally:
+            if self.config.report_to:
+                self.accelerator.end_training()
 
     # ------------------------------------------------------------------ step pieces
     def _render(self, batch: list[dict[str, Any]]) -> list[str]:
@@ -307,7 +330,7 @@ class PODSTrainer:
     def _score(
         self, batch: list[dict[str, Any]], rollouts: Rollouts
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        n = self.config.num_generations
+        n = rollouts.num_generations
         columns = {key: [row[key] for row in batch for _ in range(n)] for key in batch[0] if key != "prompt"}
         prompts = [row["prompt"] for row in batch for _ in range(n)]
         completion_ids = [
@@ -351,12 +374,16 @@ class PODSTrainer:
         parts = [slice(start, start + micro) for start in range(0, rows, micro)]
         sampling_logprobs = batch.sampling_logprobs
         correct = cfg.vllm_importance_sampling_correction and sampling_logprobs is not None
+        # Old and reference log-probs: always in evaluation mode (no dropout), at every step. The first pass
+        # is on-policy (ratio exactly 1, as with num_iterations = 1); later passes use the old log-probs.
         old_logprobs = ref_logprobs = None
+        model.eval()
         if cfg.num_iterations > 1:
             with torch.no_grad():
                 old_logprobs = torch.cat([logprobs_of(model, part) for part in parts])
         if cfg.beta > 0:
-            with torch.no_grad(), self._reference() as reference:
+            # Under the policy's mixed precision: accelerate autocasts the prepared policy, not this copy.
+            with torch.no_grad(), acc.autocast(), self._reference() as reference:
                 ref_logprobs = torch.cat([logprobs_of(reference, part) for part in parts])
 
         model.train()
@@ -366,10 +393,13 @@ class PODSTrainer:
             "clip_ratio/high_mean": "clip_high_fraction",
             "clip_ratio/region_mean": "clip_fraction",
         }
-        totals = {"loss": 0.0, **dict.fromkeys(statistics, 0.0)}
+        loss = 0.0
+        # Token-weighted sums of the statistics, and the token count: averages over tokens (all micro-batches,
+        # passes and processes), so they do not depend on micro_batch_size.
+        sums = torch.zeros(len(statistics) + 1, dtype=torch.float64)
         grad_norms, finite, mismatch = [], True, []
         sampler_weights: dict[int, torch.Tensor] = {}  # per micro-batch, from the first pass
-        for _ in range(cfg.num_iterations):
+        for iteration in range(cfg.num_iterations):
             for part in parts:
                 # accelerate syncs gradients (DDP / DeepSpeed / FSDP) and lets the optimizer step only on
                 # the last micro-batch of each pass; it divides the loss by the number of micro-batches,
@@ -387,7 +417,7 @@ class PODSTrainer:
                         logprobs,
                         advantages[part],
                         mask[part],
-                        old_logprobs=None if old_logprobs is None else old_logprobs[part],
+                        old_logprobs=None if iteration == 0 else old_logprobs[part],
                         ref_logprobs=None if ref_logprobs is None else ref_logprobs[part],
                         importance_weights=sampler_weights.get(part.start) if correct else None,
                         epsilon=cfg.epsilon,
@@ -403,23 +433,30 @@ class PODSTrainer:
                     if acc.sync_gradients:
                         grad_norm = float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                         grad_norms.append(grad_norm)
-                        if self._step_is_finite(state, finite and math.isfinite(grad_norm)):
+                        # fp16: the GradScaler skips overflowing steps itself and lowers its scale.
+                        usable = acc.scaler is not None or self._step_is_finite(
+                            state, finite and math.isfinite(grad_norm)
+                        )
+                        if usable:
                             self.optimizer.step()
                             self.scheduler.step()
                         finite = True
                     self.optimizer.zero_grad(set_to_none=True)  # accelerate clears only after a sync
-                weight = 1 / (len(parts) * cfg.num_iterations)
-                totals["loss"] += out.loss.item() / cfg.num_iterations
-                for name, attribute in statistics.items():
-                    totals[name] += getattr(out, attribute).item() * weight
+                loss += out.loss.item() / cfg.num_iterations
+                tokens = out.num_tokens.item()
+                sums += torch.tensor(
+                    [getattr(out, a).item() * tokens for a in statistics.values()] + [tokens]
+                )
+        sums = self._synced_sum(sums.to(device)).cpu()
+        means = {name: float(sums[i] / max(float(sums[-1]), 1.0)) for i, name in enumerate(statistics)}
         if mismatch:  # TRL's names: how far the sampler's log-probs are from the trainer's
-            totals["sampling/sampling_logp_difference/mean"] = sum(mismatch) / len(mismatch)
+            means["sampling/sampling_logp_difference/mean"] = sum(mismatch) / len(mismatch)
             ratios = [
                 (w.sum() / mask[slice(s, s + micro)].sum().clamp_min(1)).item()
                 for s, w in sampler_weights.items()
             ]
-            totals["sampling/importance_sampling_ratio/mean"] = sum(ratios) / len(ratios)
-        return {**totals, "grad_norm": sum(grad_norms) / len(grad_norms)}
+            means["sampling/importance_sampling_ratio/mean"] = sum(ratios) / len(ratios)
+        return {"loss": loss, **means, "grad_norm": sum(grad_norms) / len(grad_norms)}
 
     def _step_is_finite(self, state: TrainerState, finite: bool) -> bool:
         """The non-finite guard: a NaN/inf loss or gradient norm on any process skips the optimizer step
@@ -472,6 +509,7 @@ class PODSTrainer:
             "step": state.step,
             "epoch": round(self.prompts.epoch(state.step), 4),
             "train_seconds": round(state.train_seconds, 3),
+            "num_generations": rewards.shape[1],
             **reward_metrics(all_rewards, kept),
             "skipped_steps": state.skipped_steps,
         }
@@ -500,6 +538,24 @@ class PODSTrainer:
         metrics["tokens_per_second"] = round(lengths.sum().item() / max(step_seconds, 1e-9), 1)
         metrics["peak_memory_mb"] = round(_peak_memory_mb(), 1)
         return metrics
+
+    def _auto_step(
+        self,
+        state: TrainerState,
+        rewards: torch.Tensor,
+        per_function: dict[str, torch.Tensor],
+        timer: StepTimer,
+    ) -> None:
+        """``num_generations: auto``: record this step's successes per group (the accuracy reward above
+        0.5, else the summed reward above 0.5) and timings, over every process; re-decide n when due."""
+        scores = torch.nan_to_num(per_function.get(reward_name(self.accuracy_fn), rewards))
+        successes = self._gather((scores > 0.5).sum(dim=1)).cpu().tolist()
+        generate = self._synced(sum(timer.seconds.get(k, 0.0) for k in ("generate", "score", "select")))
+        other = self._synced(timer.seconds.get("update", 0.0))
+        self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, generate, other))
+        decision = self.auto.decide(state.step)
+        if decision is not None:
+            self.auto_log.append({"kind": "decision", **decision.to_dict()})
 
     def _gather(self, values: torch.Tensor) -> torch.Tensor:
         """Every process's ``values`` (equal shapes), concatenated along the first dimension."""
@@ -547,7 +603,6 @@ class PODSTrainer:
             engine=self.engine,
         )
         state.last_eval_seconds = state.train_seconds
-        state.best_accuracy = max(state.best_accuracy or 0.0, result.accuracy)
         row = {"step": state.step, "train_seconds": round(state.train_seconds, 3), **result.to_dict()}
         row["eval_seconds"] = row.pop("seconds")
         self.eval_log.append(row)
@@ -611,6 +666,7 @@ class PODSTrainer:
                 )
             self.metrics_log.reset()
             self.eval_log.reset()
+            self.auto_log.reset()
             return TrainerState()
         folder = self._checkpoint_to_resume(source)
         if folder is None:  # resume_from: auto in a folder without checkpoints: a fresh start
@@ -627,6 +683,11 @@ class PODSTrainer:
             ) from error
         self._saved = (state.step, folder)
         self.metrics_log.truncate_after(state.step)
+        if self.auto is not None:  # replay n's observations and decisions up to the checkpoint
+            self.auto_log.truncate_after(state.step)
+            self.accelerator.wait_for_everyone()
+            if self.auto_log.path.is_file():
+                self.auto.restore([r for r in read_jsonl(self.auto_log.path) if r["step"] <= state.step])
         self.eval_log.truncate_after(state.step)
         return state
 
@@ -754,6 +815,22 @@ class PODSTrainer:
         warmup = math.ceil(cfg.warmup_ratio * total) if cfg.max_steps else 0
         name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
         return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+
+
+def deepspeed_batch_settings(
+    accelerator: Any, micro_batch_size: int, micro_batches: int, max_grad_norm: float
+) -> None:
+    """Give DeepSpeed our batch shape and clip before ``prepare``: we prepare no DataLoader, so accelerate
+    cannot fill its "auto" values, and DeepSpeed clips with its own ``gradient_clipping``, not ours."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    plugin.deepspeed_config.update(
+        train_micro_batch_size_per_gpu=micro_batch_size,
+        gradient_accumulation_steps=micro_batches,
+        gradient_clipping=max_grad_norm,
+    )
+    plugin.deepspeed_config.pop("train_batch_size", None)  # DeepSpeed derives it from the two above
 
 
 def _peak_memory_mb() -> float:

@@ -48,6 +48,24 @@ def low_token_ids(prompts, completions, completion_ids=None, **columns) -> list[
     return [sum(token < 160 for token in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
+class RecordingTrainer(PODSTrainer):
+    """The real trainer, recording what each step scored and what it updated on (for the tests' own checks)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scored: list[dict] = []  # per step: the texts and summed rewards of all n rollouts
+        self.updates: list[dict] = []  # per step: the texts and advantages of the rows the update used
+
+    def _score(self, batch, rollouts):
+        rewards, per_function = super()._score(batch, rollouts)
+        self.scored.append({"texts": list(rollouts.texts), "rewards": rewards.tolist()})
+        return rewards, per_function
+
+    def _update(self, state, batch, advantages):
+        self.updates.append({"texts": list(batch.texts), "advantages": advantages.tolist()})
+        return super()._update(state, batch, advantages)
+
+
 def slow_count_of_a(prompts, completions, completion_ids=None, **columns) -> list[float]:
     """count_of_a after a pause of TINY_RUN_REWARD_SLEEP seconds: a step long enough to signal mid-step."""
     print("REWARD CALL", flush=True)
@@ -65,7 +83,7 @@ def tiny_dataset(size: int = 64) -> Dataset:
 def main() -> None:
     model_dir, output_dir, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     settings = {"model": model_dir, "output_dir": output_dir, **TINY_SETTINGS, **overrides}
-    trainer = PODSTrainer(
+    trainer = RecordingTrainer(
         TrainConfig.from_dict(settings),
         reward_funcs=[slow_count_of_a if "TINY_RUN_REWARD_SLEEP" in os.environ else count_of_a],
         train_dataset=tiny_dataset(),
@@ -88,12 +106,14 @@ def main() -> None:
     save_weights(trainer, output_dir)
 
 
-def save_weights(trainer: PODSTrainer, output_dir: str) -> None:
+def save_weights(trainer: RecordingTrainer, output_dir: str) -> None:
     model = trainer.accelerator.unwrap_model(trainer.model)
+    rank = trainer.accelerator.process_index
     torch.save(
-        {k: v.detach().clone() for k, v in model.state_dict().items()},
-        f"{output_dir}/weights-rank{trainer.accelerator.process_index}.pt",
+        {k: v.detach().clone() for k, v in model.state_dict().items()}, f"{output_dir}/weights-rank{rank}.pt"
     )
+    with open(f"{output_dir}/record-rank{rank}.json", "w") as handle:
+        json.dump({"scored": trainer.scored, "updates": trainer.updates}, handle)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def available_tasks() -> list[str]:
 def get_task(name: str) -> Task:
     """The task registered under ``name``."""
     if name not in _TASKS:
-        raise ValueError(f"unknown task {name!r}; known tasks: {available_tasks()}.")
+        raise TaskDataError(f"unknown task {name!r}; known tasks: {available_tasks()}.")
     return _TASKS[name]
 
 

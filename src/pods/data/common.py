@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from pods.config import ConfigError
 from pods.prompts import make_prompt, render_prompt
 
 __all__ = [
@@ -30,7 +31,7 @@ Record = tuple[str, dict[str, Any]]
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-class TaskDataError(ValueError):
+class TaskDataError(ConfigError):
     """Task data that cannot be used: a malformed row, an unknown split, an unreadable file."""
 
 
@@ -176,9 +177,9 @@ def finish_rows(
     import datasets
 
     if limit is not None and limit < 0:
-        raise ValueError(f"limit must be a non-negative number of rows or None, got {limit}.")
+        raise TaskDataError(f"limit must be a non-negative number of rows or None, got {limit}.")
     if max_prompt_tokens is not None and tokenizer is None:
-        raise ValueError("max_prompt_tokens needs a tokenizer to count prompt tokens; pass tokenizer=...")
+        raise TaskDataError("max_prompt_tokens needs a tokenizer to count prompt tokens; pass tokenizer=...")
     if shuffle:
         rows = list(rows)
         random.Random(seed).shuffle(rows)

@@ -8,13 +8,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pods.data.common import finish_rows
+from pods.data.common import TaskDataError, finish_rows
 
 __all__ = ["Task"]
 
 Reader = Callable[..., Any]
 """``read(split, *, source=None, seed=0, **options) -> rows``: dicts with at least ``question`` and
 ``answer`` (a list, or a ``datasets.Dataset``); ``source`` and ``seed`` are passed only if accepted."""
+
+
+_LOAD_OPTIONS = {
+    "split", "source", "prompt_style", "tokenizer", "max_prompt_tokens", "limit", "seed", "shuffle",
+    "system_prompt", "template",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -53,27 +59,13 @@ class Task:
         takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
         unknown = sorted(set(options) - set(parameters)) if not takes_any else []
         if unknown:
-            accepted = sorted(
-                {
-                    "split",
-                    "source",
-                    "prompt_style",
-                    "tokenizer",
-                    "max_prompt_tokens",
-                    "limit",
-                    "seed",
-                    "shuffle",
-                    "system_prompt",
-                    "template",
-                }
-                | set(parameters) - {"kwargs"}
-            )
-            raise ValueError(
+            accepted = sorted(_LOAD_OPTIONS | set(parameters) - {"kwargs"})
+            raise TaskDataError(
                 f"task {self.name!r} does not accept option(s) {unknown}; it accepts {accepted}."
             )
         if source is not None:
             if "source" not in parameters and not takes_any:
-                raise ValueError(
+                raise TaskDataError(
                     f"task {self.name!r} is generated, not read from a file or the Hub; drop source={source!r}."
                 )
             options["source"] = source

@@ -26,7 +26,8 @@ import torch
 try:
     import trl
     from trl import GRPOConfig, GRPOTrainer
-    from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
+    from trl.models.utils import disable_gradient_checkpointing
+    from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid, use_adapter
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("pods.integrations.trl needs TRL; install it with: pip install 'pods[trl]'") from error
 
@@ -105,16 +106,10 @@ def advantage_scale(scale_rewards: str | bool) -> str:
 
 
 def summed_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """One scalar reward per completion: the weighted sum over reward functions, as TRL computes it
-    (a ``None`` from one function counts as 0). Every completion needs at least one reward."""
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
-    if bool(unscorable.any()):
-        raise ValueError(
-            f"every reward function returned None for {int(unscorable.sum())} completion(s) (first at row "
-            f"{int(unscorable.nonzero()[0])}). PODS ranks completions by their summed reward, so each one needs "
-            "a number: return 0.0 (or a penalty) from a reward function instead of None."
-        )
-    return (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    """One scalar reward per completion: the weighted sum over reward functions, as TRL computes it (a
+    ``None`` from one function counts as 0; a completion every function scored ``None`` is NaN, TRL's rule)."""
+    summed = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    return summed.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
 
 
 def take_rows(batch: dict[str, Any], rows: torch.Tensor, num_rows: int) -> dict[str, Any]:
@@ -226,6 +221,7 @@ class PODSTrainer(GRPOTrainer):
                 f"PODSTrainer needs args=PODSConfig(...), got {type(args).__name__}. PODSConfig takes every "
                 "GRPOConfig field plus num_generations_kept and selection_rule."
             )
+        self._pods_defer_logps = False
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self.num_generations_kept = args.kept_per_prompt
         check_batch_arithmetic(
@@ -235,9 +231,19 @@ class PODSTrainer(GRPOTrainer):
             self.num_generations_kept,
             self.accelerator.num_processes,
         )
-        # Same seed on every process: each one selects over the gathered batch and must agree with the others.
-        self._pods_generator = torch.Generator().manual_seed(args.seed)
         self._pods_rewards_per_func: torch.Tensor | None = None
+
+    def _selection_generator(self) -> torch.Generator:
+        """The random rule's draws, a pure function of (seed, step): the same on every process (each selects
+        over the gathered batch and must agree with the others) and the same after a resume."""
+        return torch.Generator().manual_seed(self.args.seed * 7_919 + self.state.global_step)
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):  # type: ignore[override]
+        """TRL's log-probs; skipped (None) while TRL generates and scores a training batch that PODS will
+        down-sample: the old and reference log-probs are then computed on the kept rows only."""
+        if self._pods_defer_logps:
+            return None, None, None
+        return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[override]
         """TRL's reward computation, unchanged; keeps its gathered ``[all rows, functions]`` result for selection."""
@@ -248,7 +254,15 @@ class PODSTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:  # type: ignore[override]
         """TRL's generation and scoring, then (in training) keep m of each group of n and redo the advantages."""
         self._pods_rewards_per_func = None
-        batch = super()._generate_and_score_completions(inputs)
+        # TRL computes old and reference log-probs for all n rows before rewards exist; PODS needs them for
+        # the kept m only (text prompts; vLLM's importance-sampling correction needs them for all n).
+        n, m = self.num_generations, self.num_generations_kept
+        defer = self._defer_logps(inputs)
+        self._pods_defer_logps = defer
+        try:
+            batch = super()._generate_and_score_completions(inputs)
+        finally:
+            self._pods_defer_logps = False
         rewards_per_func, self._pods_rewards_per_func = self._pods_rewards_per_func, None
         if not self.model.training:
             return batch
@@ -258,7 +272,6 @@ class PODSTrainer(GRPOTrainer):
                 f"supported by PODSTrainer (tested with {TESTED_TRL_VERSION}.x)."
             )
 
-        n, m = self.num_generations, self.num_generations_kept
         summed = summed_rewards(rewards_per_func, self.reward_weights)  # [all rows], every process's rows
         local_rows = batch["prompt_ids"].shape[0]
         groups = local_rows // n
@@ -274,7 +287,7 @@ class PODSTrainer(GRPOTrainer):
             m,
             self.args.selection_rule,
             scale=advantage_scale(self.scale_rewards),
-            generator=self._pods_generator,
+            generator=self._selection_generator(),
         )  # over every process's groups: [all groups, m]
         kept, kept_rewards, advantages = chosen.kept, chosen.rewards, chosen.advantages
 
@@ -287,6 +300,8 @@ class PODSTrainer(GRPOTrainer):
             logged = torch.full_like(rewards, float("nan")).scatter_(1, kept, advantages.to(rewards.dtype))
             self._logs["advantages"].clear()
             self._logs["advantages"].extend(logged.reshape(-1).tolist())
+        if defer:
+            self._kept_row_logps(batch)
         # With m == n every row is kept and TRL's advantages are already those of the kept set (same formula;
         # TRL computes them in float32 where we use float64): keep TRL's bits so that m == n is exactly GRPO.
         loss_mask = batch["completion_mask"]
@@ -300,3 +315,42 @@ class PODSTrainer(GRPOTrainer):
             ):  # TRL logs reward, reward_std and frac_reward_zero_std (over all n) itself
                 self._metrics["train"][name].append(value)
         return batch
+
+    def _defer_logps(self, inputs: list[dict[str, Any]]) -> bool:
+        """Whether this batch's old/reference log-probs wait for the selection (training, m < n, text only)."""
+        return (
+            self.model.training
+            and self.num_generations_kept < self.num_generations
+            and "image" not in inputs[0]
+            and "images" not in inputs[0]
+            and not (self.use_vllm and self.vllm_importance_sampling_correction)
+        )
+
+    def _kept_row_logps(self, batch: dict[str, Any]) -> None:
+        """Old (when TRL would use them) and reference (``beta != 0``) log-probs of the kept rows, as TRL
+        computes them for all rows."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        need_old = self.args.gradient_accumulation_steps % generate_every != 0
+        if not need_old and self.beta == 0.0:
+            return
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        width, size = batch["completion_ids"].size(1), self.args.per_device_train_batch_size
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+        ):
+            if need_old:
+                batch["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
+                    self.model, ids, mask, width, batch_size=size
+                )[0]
+            if self.beta != 0.0 and self.ref_model is not None:
+                batch["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
+                    self.ref_model, ids, mask, width, batch_size=size
+                )[0]
+            elif self.beta != 0.0:  # LoRA: the base with the adapter disabled (or TRL's "ref" adapter)
+                model = self.accelerator.unwrap_model(self.model)
+                with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+                    batch["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
+                        self.model, ids, mask, width, batch_size=size
+                    )[0]

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from pods.config import ConfigError
 from pods.rewards.extract import answer_block, answer_views, completion_text
 from pods.rewards.numeric import answers_match, gold_column
 from pods.rewards.timeouts import WorkerProcess, WorkerTimeout
@@ -36,10 +37,14 @@ _worker: WorkerProcess | None = None
 _worker_lock = threading.Lock()
 
 
+class MissingDependencyError(ConfigError, ImportError):
+    """An optional dependency the configuration needs is not installed; the message says how to install it."""
+
+
 def require_math_verify() -> None:
-    """Raise an ImportError that says how to install math-verify when it is missing."""
+    """Raise an error (a ConfigError and an ImportError) that says how to install math-verify when missing."""
     if importlib.util.find_spec("math_verify") is None:
-        raise ImportError(
+        raise MissingDependencyError(
             "math_accuracy_reward needs the optional dependency math-verify: pip install 'pods[math]' "
             "(or use accuracy_reward, which needs nothing extra, for numeric answers)."
         )

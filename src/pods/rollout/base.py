@@ -98,11 +98,6 @@ class Rollouts:
         """``[rows]`` number of real completion tokens per row (EOS / stop-string token included)."""
         return self.completion_mask.sum(dim=1)
 
-    @property
-    def prompt_index(self) -> torch.Tensor:
-        """``[rows]`` which prompt each row belongs to (``row // num_generations``)."""
-        return torch.arange(len(self), device=self.completion_ids.device) // self.num_generations
-
     def select(self, rows: torch.Tensor | list[int]) -> Rollouts:
         """Keep the given flat row indices, in the given order, and shrink the padding to the longest kept.
 

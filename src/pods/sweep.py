@@ -1,0 +1,526 @@
+"""Experiments as commands: a grid over one or two configuration keys (or named arms), times seeds, each
+run trained under the same budget with evaluation off the clock, summarised with intervals over seeds.
+
+Layout of a sweep folder::
+
+    sweep.json                 what was asked (base config, arms, seeds, baseline)
+    <arm>/seed<k>/             one training run (config.yaml, metrics.jsonl, eval.jsonl, ...), done.json when finished
+    evaluations.csv            every evaluation of every run
+    summary.json               per arm: accuracy at the budget, best accuracy, time to target, speed-ups
+    accuracy_vs_time.png       mean curve per arm with a 95% band over seeds
+    accuracy_vs_<key>.png      accuracy at the budget against the swept value (grids only)
+
+Re-running the same command skips the finished runs and resumes an unfinished one from its latest
+checkpoint (or restarts it when it has none), so an interrupted sweep continues where it stopped.
+`pods compare` is this machinery with named arms (GRPO against PODS and the other rules).
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import re
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pods.config import ConfigError, TrainConfig, parse_overrides
+from pods.interrupts import TrainingStopped
+from pods.metrics import read_jsonl
+from pods.stats import (
+    accuracy_standard_error,
+    bootstrap_ci,
+    common_grid,
+    compare_curves,
+    smoothed_mean_curve,
+    time_to_level,
+)
+
+SWEEP_SETS = ("output_dir", "seed", "resume_from")  # keys the sweep sets for every run itself
+IGNORED_WHEN_MATCHING = ("output_dir", "resume_from", "progress")
+
+
+@dataclass
+class Arm:
+    """One setting of the experiment: a name and the configuration keys it changes."""
+
+    name: str
+    overrides: dict[str, Any]
+
+    @property
+    def folder(self) -> str:
+        return re.sub(r"[^A-Za-z0-9._=+-]", "_", self.name.replace(",", "+"))
+
+
+@dataclass
+class SeedRun:
+    """One finished training run of an arm: its evaluations and its step timings."""
+
+    arm: str
+    seed: int
+    run_dir: Path
+    steps_at_eval: list[int]
+    seconds: list[float]
+    accuracy: list[float]
+    num_problems: list[int]
+    steps: int
+    seconds_step: float
+    seconds_generate: float
+    seconds_update: float
+    mean_num_generations: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class SweepInterrupted(Exception):
+    """A run was stopped (signal or Ctrl-C); finished runs are kept and the message says how to go on."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# ---------------------------------------------------------------------------------------------- arms
+def parse_grid(spec: str) -> tuple[str, list[str]]:
+    """``"num_generations=4,8,16"`` -> ``("num_generations", ["4", "8", "16"])`` (values as written)."""
+    key, sep, values = spec.partition("=")
+    if not sep or not key.strip() or not values.strip():
+        raise ConfigError(
+            f"--grid {spec!r}: write KEY=VALUE1,VALUE2,... (e.g. --grid num_generations=4,8,16)"
+        )
+    return key.strip().replace("-", "_"), [v.strip() for v in values.split(",") if v.strip()]
+
+
+def _value(key: str, raw: str) -> Any:
+    """A value as the command line reads it (YAML, plus numbers such as 1e-4)."""
+    return parse_overrides([f"{key}={raw}"])[key]
+
+
+def parse_arm(spec: str) -> Arm:
+    """``"grpo:num_generations=4,selection_rule=all"`` -> a named arm with those keys."""
+    name, sep, body = spec.partition(":")
+    pairs = [item.partition("=") for item in body.split(",") if item.strip()]
+    if not sep or not name.strip() or not pairs or any(not eq for _, eq, _ in pairs):
+        raise ConfigError(
+            f"--arm {spec!r}: write NAME:KEY=VALUE,KEY=VALUE (e.g. --arm grpo:num_generations=4,selection_rule=all)"
+        )
+    keys = [(k.strip().replace("-", "_"), v.strip()) for k, _, v in pairs]
+    return Arm(name.strip(), {key: _value(key, raw) for key, raw in keys})
+
+
+def grid_arms(grid: Sequence[tuple[str, list[str]]]) -> list[Arm]:
+    """The cartesian product of one or two keys' values (as written), named ``key=value[,key=value]``."""
+    if len(grid) > 2:
+        raise ConfigError("--grid: at most two keys (a sweep over more is better split into several)")
+    keys = [key for key, _ in grid]
+    arms = []
+    for combo in itertools.product(*(values for _, values in grid)):
+        pairs = list(zip(keys, combo, strict=True))
+        arms.append(Arm(",".join(f"{k}={v}" for k, v in pairs), {k: _value(k, v) for k, v in pairs}))
+    return arms
+
+
+def arm_config(base: TrainConfig, arm: Arm, seed: int, run_dir: Path, resume: bool) -> TrainConfig:
+    """The base configuration with the arm's keys, the seed, its run folder, and evaluation at the start."""
+    for key in arm.overrides:
+        if key in SWEEP_SETS:
+            raise ConfigError(f"arm {arm.name!r}: the sweep sets {key} itself; give seeds with --seeds")
+    values = {**base.to_dict(), **arm.overrides}
+    values.update(seed=seed, output_dir=str(run_dir), resume_from="auto" if resume else None)
+    values["eval_at_start"] = True  # every curve starts at the base model's accuracy
+    try:
+        return TrainConfig.from_dict(values)
+    except ConfigError as error:
+        raise ConfigError(f"arm {arm.name!r}: {error}") from None
+
+
+# ---------------------------------------------------------------------------------------------- running
+def run_sweep(
+    base: TrainConfig,
+    arms: list[Arm],
+    seeds: list[int],
+    output_dir: Path,
+    *,
+    baseline: str | None = None,
+    target: float | None = None,
+    swept_keys: Sequence[str] = (),
+    resume_command: str | None = None,
+    trainer_kwargs: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Train every arm for every seed (one after the other, so each has the whole machine) and summarise.
+
+    ``trainer_kwargs`` go to every :class:`pods.trainer.PODSTrainer` (your own ``reward_funcs``,
+    ``train_dataset``, ``eval_dataset``).
+
+    Finished runs (``done.json``) are reused when their settings match; an unfinished one is resumed.
+    Raises :class:`SweepInterrupted` (after writing the summary of what finished) when a run is stopped.
+    """
+    from pods.trainer import PODSTrainer
+
+    names = [arm.name for arm in arms]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"arms: names must be distinct, got {names}")
+    if not arms or not seeds:
+        raise ConfigError("a sweep needs at least one arm and one seed")
+    baseline = baseline or arms[0].name
+    if baseline not in names:
+        raise ConfigError(f"--baseline {baseline!r} is not an arm; arms: {', '.join(names)}")
+    for arm in arms:  # check every arm's settings before hours of training
+        for seed in seeds:
+            arm_config(base, arm, seed, output_dir / arm.folder / f"seed{seed}", resume=False)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "sweep.json").write_text(
+        json.dumps(
+            {
+                "base": base.to_dict(),
+                "arms": [{"name": a.name, "overrides": a.overrides} for a in arms],
+                "seeds": seeds,
+                "baseline": baseline,
+                "target": target,
+                "swept_keys": list(swept_keys),
+            },
+            indent=2,
+        )
+    )
+    runs: list[SeedRun] = []
+    jobs = [(seed, arm) for seed in seeds for arm in arms]
+    for index, (seed, arm) in enumerate(jobs):
+        run_dir = output_dir / arm.folder / f"seed{seed}"
+        prefix = f"[{index + 1}/{len(jobs)}] {arm.name}, seed {seed}"
+        if (run_dir / "done.json").is_file():
+            _check_same_settings(run_dir, arm_config(base, arm, seed, run_dir, resume=False))
+            runs.append(load_seed_run(arm.name, seed, run_dir))
+            log(f"{prefix}: already finished, reused ({run_dir})")
+            continue
+        resume = _prepare_run_dir(run_dir)
+        config = arm_config(base, arm, seed, run_dir, resume)
+        if resume:
+            _check_same_settings(run_dir, config)
+        log(
+            f"{prefix}: n={config.num_generations}, m={config.num_generations_kept}, rule={config.selection_rule}, "
+            f"{_budget(config)}{' (resuming)' if resume else ''} -> {run_dir}"
+        )
+        try:
+            result = PODSTrainer(config, **(trainer_kwargs or {})).train()
+        except (TrainingStopped, KeyboardInterrupt) as stop:  # a graceful stop, or a second Ctrl-C
+            finished = summarise_and_write(runs, arms, baseline, target, swept_keys, output_dir, base)
+            signal_name = stop.signal_name if isinstance(stop, TrainingStopped) else "SIGINT"
+            again = resume_command or f"the same command with the same output folder ({output_dir})"
+            raise SweepInterrupted(
+                f"stopped by {signal_name} during {arm.name}, seed {seed}; {len(runs)} of {len(jobs)} runs are "
+                f"finished and kept{' (summary written)' if finished else ''}. To continue, run {again}: "
+                "finished runs are skipped and this one resumes from its latest checkpoint.",
+                exit_code=stop.exit_code if isinstance(stop, TrainingStopped) else 130,
+            ) from None
+        (run_dir / "done.json").write_text(
+            json.dumps({"steps": result.steps, "train_seconds": result.train_seconds})
+        )
+        runs.append(load_seed_run(arm.name, seed, run_dir))
+        log(f"    best accuracy {max(runs[-1].accuracy):.1%} after {result.steps} steps")
+    summary = summarise_and_write(runs, arms, baseline, target, swept_keys, output_dir, base)
+    assert summary is not None
+    return summary
+
+
+def _prepare_run_dir(run_dir: Path) -> bool:
+    """Whether an unfinished run can resume from a checkpoint; a run with none starts again from scratch."""
+    from pods.checkpoint import latest_checkpoint
+
+    if latest_checkpoint(run_dir / "checkpoints") is not None:
+        return True
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a run stopped before its first checkpoint: nothing to keep
+    return False
+
+
+def _check_same_settings(run_dir: Path, wanted: TrainConfig) -> None:
+    """A reused run must have been trained with the settings asked for now."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return
+    saved = yaml.safe_load(path.read_text()) or {}
+    differ = [
+        f"{key}: {saved.get(key)!r} then, {value!r} now"
+        for key, value in wanted.to_dict().items()
+        if key not in IGNORED_WHEN_MATCHING and saved.get(key) != value
+    ]
+    if differ:
+        raise ConfigError(
+            f"{run_dir} was trained with other settings ({'; '.join(differ[:4])}); "
+            "choose another --output_dir for a different experiment"
+        )
+
+
+def load_seed_run(arm: str, seed: int, run_dir: Path) -> SeedRun:
+    """Read one run folder's evaluations and per-step timings."""
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    if not evals:
+        raise ConfigError(f"{run_dir} has no evaluations (eval.jsonl): a sweep needs evaluations to compare")
+    mean = lambda key: sum(row.get(key, 0.0) for row in metrics) / max(1, len(metrics))  # noqa: E731
+    return SeedRun(
+        arm=arm,
+        seed=seed,
+        run_dir=run_dir,
+        steps_at_eval=[row["step"] for row in evals],
+        seconds=[row["train_seconds"] for row in evals],
+        accuracy=[row["accuracy"] for row in evals],
+        num_problems=[row.get("num_problems", 0) for row in evals],
+        steps=len(metrics),
+        seconds_step=mean("seconds_step"),
+        seconds_generate=mean("seconds_generate"),
+        seconds_update=mean("seconds_update"),
+        mean_num_generations=mean("num_generations"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def summarise(
+    runs: list[SeedRun], arms: list[Arm], baseline: str, target: float | None = None
+) -> dict[str, Any]:
+    """Per arm: accuracy at the budget and best accuracy (mean, 95% interval over seeds, standard error
+    over problems), time to the target accuracy, and speed-ups against the baseline per second and per step."""
+    by_arm = {arm.name: [r for r in runs if r.arm == arm.name] for arm in arms}
+    by_arm = {name: arm_runs for name, arm_runs in by_arm.items() if arm_runs}
+    base_runs = by_arm.get(baseline)
+    summary: dict[str, Any] = {"baseline": baseline, "arms": {}}
+    if base_runs:
+        base_grid = common_grid([_curves(base_runs)])
+        smoothed_peak = float(smoothed_mean_curve(_curves(base_runs), base_grid)[1].max())
+        summary["target_accuracy"] = target if target is not None else 0.99 * smoothed_peak
+        summary["target_is"] = "given" if target is not None else "99% of the baseline's smoothed peak"
+    for arm in arms:
+        arm_runs = by_arm.get(arm.name)
+        if not arm_runs:
+            continue
+        final = [r.accuracy[-1] for r in arm_runs]
+        best = [max(r.accuracy) for r in arm_runs]
+        se = [accuracy_standard_error(r.accuracy[-1], r.num_problems[-1]) for r in arm_runs]
+        row: dict[str, Any] = {
+            "overrides": arm.overrides,
+            "seeds": [r.seed for r in arm_runs],
+            "start_accuracy": sum(r.accuracy[0] for r in arm_runs) / len(arm_runs),
+            "accuracy_at_budget": _mean_ci(final),
+            "accuracy_at_budget_per_seed": final,
+            "accuracy_at_budget_se_over_problems": (sum(s * s for s in se) ** 0.5) / len(se),
+            "best_accuracy": _mean_ci(best),
+            "best_accuracy_per_seed": best,
+            "train_seconds": [r.seconds[-1] for r in arm_runs],
+            "steps": [r.steps for r in arm_runs],
+            "seconds_per_step": _mean([r.seconds_step for r in arm_runs]),
+            "seconds_generate_per_step": _mean([r.seconds_generate for r in arm_runs]),
+            "seconds_update_per_step": _mean([r.seconds_update for r in arm_runs]),
+            "mean_num_generations": _mean([r.mean_num_generations for r in arm_runs]),
+        }
+        if "target_accuracy" in summary:
+            row["seconds_to_target"] = time_to_level(_curves(arm_runs), summary["target_accuracy"]).to_dict()
+        if base_runs and arm.name != baseline:
+            row["speedup"] = {
+                k: v.to_dict() for k, v in compare_curves(_curves(base_runs), _curves(arm_runs)).items()
+            }
+            per_step = compare_curves(_curves(base_runs, by_step=True), _curves(arm_runs, by_step=True))
+            row["speedup_per_step"] = {k: v.to_dict() for k, v in per_step.items()}
+        summary["arms"][arm.name] = row
+    summary["auto_vs_best_fixed"] = auto_against_best_fixed(summary["arms"])
+    return summary
+
+
+def auto_against_best_fixed(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each ``num_generations: auto`` arm: the fixed-n arm (same other keys) with the best accuracy at
+    the budget, and whether auto's mean lies within that arm's 95% interval or above it."""
+    out = []
+    for name, row in rows.items():
+        keys = row["overrides"]
+        if keys.get("num_generations") != "auto":
+            continue
+        rest = {k: v for k, v in keys.items() if k != "num_generations"}
+        fixed = {
+            other: r
+            for other, r in rows.items()
+            if isinstance(r["overrides"].get("num_generations"), int)
+            and {k: v for k, v in r["overrides"].items() if k != "num_generations"} == rest
+        }
+        if not fixed:
+            continue
+        best = max(fixed, key=lambda other: fixed[other]["accuracy_at_budget"]["value"])
+        auto, interval = row["accuracy_at_budget"]["value"], fixed[best]["accuracy_at_budget"]
+        low = interval["low"] if interval["low"] is not None else interval["value"]
+        out.append(
+            {
+                "auto": name,
+                "best_fixed": best,
+                "auto_accuracy": auto,
+                "best_fixed_accuracy": interval,
+                "within_or_better": auto >= low,
+            }
+        )
+    return out
+
+
+def summarise_and_write(
+    runs: list[SeedRun],
+    arms: list[Arm],
+    baseline: str,
+    target: float | None,
+    swept_keys: Sequence[str],
+    output_dir: Path,
+    base: TrainConfig,
+) -> dict[str, Any] | None:
+    """Write the CSV, summary and plots of the runs so far (None when no run has finished)."""
+    if not runs:
+        return None
+    summary = summarise(runs, arms, baseline, target)
+    summary["runs_finished"] = len(runs)
+    write_evaluations_csv(runs, arms, swept_keys, output_dir / "evaluations.csv")
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    from pods.plotting import plot_sweep_curves, plot_sweep_values
+
+    curves = {arm.name: _curves([r for r in runs if r.arm == arm.name]) for arm in arms}
+    title = f"{base.task}: accuracy against training time (mean over seeds, 95% band)"
+    plot_sweep_curves({k: v for k, v in curves.items() if v}, output_dir / "accuracy_vs_time.png", title)
+    if swept_keys:
+        plot_sweep_values(summary, list(swept_keys), output_dir / f"accuracy_vs_{swept_keys[0]}.png")
+    return summary
+
+
+def write_evaluations_csv(
+    runs: list[SeedRun], arms: list[Arm], swept_keys: Sequence[str], path: Path
+) -> None:
+    overrides = {arm.name: arm.overrides for arm in arms}
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(
+            [
+                "arm",
+                *swept_keys,
+                "seed",
+                "eval_index",
+                "step",
+                "train_seconds",
+                "accuracy",
+                "accuracy_se",
+                "num_problems",
+            ]
+        )
+        for run in runs:
+            for index, (step, seconds, accuracy, problems) in enumerate(
+                zip(run.steps_at_eval, run.seconds, run.accuracy, run.num_problems, strict=True)
+            ):
+                keys = [overrides[run.arm].get(key, "") for key in swept_keys]
+                se = accuracy_standard_error(accuracy, problems)
+                writer.writerow(
+                    [
+                        run.arm,
+                        *keys,
+                        run.seed,
+                        index,
+                        step,
+                        f"{seconds:.3f}",
+                        f"{accuracy:.6f}",
+                        f"{se:.6f}",
+                        problems,
+                    ]
+                )
+
+
+def _curves(runs: list[SeedRun], by_step: bool = False) -> list[tuple[list[float], list[float]]]:
+    return [([float(s) for s in (r.steps_at_eval if by_step else r.seconds)], r.accuracy) for r in runs]
+
+
+def _mean_ci(values: list[float]) -> dict[str, float | None]:
+    low, high = bootstrap_ci(values)
+    finite = low == low and high == high  # NaN (one seed): no interval
+    return {
+        "value": sum(values) / len(values),
+        "low": low if finite else None,
+        "high": high if finite else None,
+    }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _budget(config: TrainConfig) -> str:
+    parts = [f"{config.max_time:.0f} s of training"] if config.max_time else []
+    return " or ".join([*parts, f"{config.max_steps} steps"] if config.max_steps else parts)
+
+
+# ---------------------------------------------------------------------------------------------- report
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as a Markdown table plus one line per speed-up, with intervals and verdicts."""
+    baseline = summary["baseline"]
+    target = summary.get("target_accuracy")
+    lines = [
+        f"| arm | accuracy at budget (95% CI) | best accuracy | seconds to {_pct(target)} | "
+        "s/step (generate + update) | steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, row in summary["arms"].items():
+        at, best = row["accuracy_at_budget"], row["best_accuracy"]
+        reach = row.get("seconds_to_target") or {}
+        lines.append(
+            f"| {arm} | {_pct_ci(at)} +-{100 * row['accuracy_at_budget_se_over_problems']:.1f} over problems | "
+            f"{_pct_ci(best)} | {_seconds(reach)} | "
+            f"{row['seconds_per_step']:.2f} ({row['seconds_generate_per_step']:.2f} + "
+            f"{row['seconds_update_per_step']:.2f}) | {', '.join(map(str, row['steps']))} |"
+        )
+    for item in summary.get("auto_vs_best_fixed", []):
+        best = item["best_fixed_accuracy"]
+        verdict = (
+            "within its 95% interval or better" if item["within_or_better"] else "below its 95% interval"
+        )
+        lines.append(
+            f"\n{item['auto']} against the best fixed n ({item['best_fixed']}, {_pct_ci(best)} at the budget): "
+            f"{_pct(item['auto_accuracy'])}, {verdict}"
+        )
+    for arm, row in summary["arms"].items():
+        if "speedup" not in row:
+            continue
+        lines.append(
+            f"\n{arm} vs {baseline} (speed-up = {baseline}'s time / {arm}'s time, 95% interval over seeds):"
+        )
+        for unit, key in (("per second", "speedup"), ("per step", "speedup_per_step")):
+            parts = [f"{_metric_name(name)} {_speedup(value)}" for name, value in row[key].items()]
+            lines.append(f"  {unit}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def _metric_name(name: str) -> str:
+    return "to 99% of peak (paper)" if name == "paper" else f"to {name.split('_')[1]}% of the gain"
+
+
+def _speedup(value: dict[str, Any]) -> str:
+    if value["value"] is None:
+        return "n/a (the baseline did not climb)"
+    if value["arm_seconds"] is None:
+        return "never reached within the budget"
+    interval = (
+        "" if value["low"] is None else f" ({value['low']:.2f}-{value['high']:.2f}, {value['verdict']})"
+    )
+    return f"{value['value']:.2f}x{interval}"
+
+
+def _seconds(value: dict[str, Any]) -> str:
+    if not value:
+        return "-"
+    if value.get("value") is None:
+        return "never"
+    low, high = value.get("low"), value.get("high")
+    if low is None:
+        return f"{value['value']:.0f}"
+    return f"{value['value']:.0f} ({low:.0f}-{'never' if high is None else f'{high:.0f}'})"
+
+
+def _pct_ci(value: dict[str, Any]) -> str:
+    interval = "" if value["low"] is None else f" ({_pct(value['low'])}-{_pct(value['high'])})"
+    return _pct(value["value"]) + interval
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"

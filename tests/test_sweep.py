@@ -1,0 +1,248 @@
+"""`pods sweep` and `pods compare` on the tiny model, as real subprocesses: the files they write, reuse of
+finished runs, and an interrupted sweep that continues where it stopped."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pods.config import ConfigError, TrainConfig
+from pods.sweep import Arm, SeedRun, arm_config, format_summary, grid_arms, parse_arm, parse_grid, summarise
+
+
+def run_pods(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pods", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep_config(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model on the generated arithmetic task: 2 prompts x n, m = 2, a few steps, 8 test problems."""
+    path = tmp_path_factory.mktemp("sweep") / "tiny.yaml"
+    settings = {
+        "model": str(tiny_model_dir),
+        "task": "arith",
+        "train_limit": 32,
+        "eval_limit": 8,
+        "max_prompt_length": None,
+        "num_generations": 4,
+        "num_generations_kept": 2,
+        "prompts_per_step": 2,
+        "micro_batch_size": 4,
+        "max_completion_length": 6,
+        "eval_batch_size": 8,
+        "max_time": None,
+        "max_steps": 2,
+        "eval_every_seconds": 0.01,
+        "save_every_seconds": None,
+        "save_final": False,
+        "torch_threads": 1,
+        "progress": False,
+    }
+    path.write_text(yaml.safe_dump(settings))
+    return path
+
+
+def test_grid_and_arm_specs() -> None:
+    assert parse_grid("num_generations=4,8, 16") == ("num_generations", ["4", "8", "16"])
+    arms = grid_arms([parse_grid("learning-rate=2e-5,1e-4"), parse_grid("num_generations=4,auto")])
+    assert [a.name for a in arms] == [
+        "learning_rate=2e-5,num_generations=4",
+        "learning_rate=2e-5,num_generations=auto",
+        "learning_rate=1e-4,num_generations=4",
+        "learning_rate=1e-4,num_generations=auto",
+    ]
+    assert arms[3].overrides == {"learning_rate": 1e-4, "num_generations": "auto"}
+    assert arms[0].folder == "learning_rate=2e-5+num_generations=4"
+    grpo = parse_arm("grpo:num_generations=4,selection_rule=all")
+    assert grpo == Arm("grpo", {"num_generations": 4, "selection_rule": "all"})
+    for bad in ("num_generations", "=4,8"):
+        with pytest.raises(ConfigError, match="KEY=VALUE1"):
+            parse_grid(bad)
+    with pytest.raises(ConfigError, match="NAME:KEY=VALUE"):
+        parse_arm("grpo")
+    with pytest.raises(ConfigError, match="at most two keys"):
+        grid_arms([("a", ["1"]), ("b", ["1"]), ("c", ["1"])])
+
+
+def test_arm_settings_are_checked_before_any_training(tmp_path: Path) -> None:
+    base = TrainConfig()
+    with pytest.raises(ConfigError, match=r"arm 'grpo'.*selection_rule"):
+        arm_config(base, Arm("grpo", {"selection_rule": "all"}), 0, tmp_path, resume=False)  # n=16 != m=4
+    with pytest.raises(ConfigError, match="sets seed itself"):
+        arm_config(base, Arm("x", {"seed": 3}), 0, tmp_path, resume=False)
+    config = arm_config(base, Arm("x", {"num_generations": 8}), 5, tmp_path / "r", resume=True)
+    assert (config.num_generations, config.seed, config.resume_from, config.eval_at_start) == (
+        8,
+        5,
+        "auto",
+        True,
+    )
+
+
+def test_summary_of_known_curves() -> None:
+    """Two seeds per arm with known curves: the numbers in the summary are the curves' own."""
+
+    def run(arm: str, seed: int, accuracy: list[float]) -> SeedRun:
+        seconds = [0.0, 10.0, 20.0, 30.0, 40.0]
+        steps = [0, 5, 10, 15, 20]
+        return SeedRun(arm, seed, Path("."), steps, seconds, accuracy, [100] * 5, 20, 2.0, 1.5, 0.5, 4)
+
+    runs = [
+        run("slow", 0, [0.2, 0.3, 0.6, 0.6, 0.6]),
+        run("slow", 1, [0.2, 0.4, 0.6, 0.6, 0.6]),
+        run("fast", 0, [0.2, 0.6, 0.6, 0.6, 0.6]),
+        run("fast", 1, [0.2, 0.6, 0.6, 0.6, 0.6]),
+    ]
+    summary = summarise(runs, [Arm("slow", {}), Arm("fast", {})], baseline="slow")
+    slow, fast = summary["arms"]["slow"], summary["arms"]["fast"]
+    assert slow["accuracy_at_budget"]["value"] == pytest.approx(0.6)
+    assert slow["accuracy_at_budget_se_over_problems"] == pytest.approx((0.24 / 100) ** 0.5 / 2**0.5)
+    assert fast["best_accuracy"]["value"] == pytest.approx(0.6)
+    assert "speedup" not in slow and fast["speedup"]["gain_50"]["verdict"] == "faster"
+    assert fast["speedup"]["gain_50"]["value"] > 1 and fast["speedup_per_step"]["gain_50"]["value"] > 1
+    assert summary["target_accuracy"] == pytest.approx(0.99 * 0.6)
+    assert "fast vs slow" in format_summary(summary)
+
+
+@pytest.mark.slow
+def test_sweep_writes_everything_and_reuses_finished_runs(tiny_sweep_config: Path, tmp_path: Path) -> None:
+    output = tmp_path / "sweep"
+    args = ("sweep", "--config", str(tiny_sweep_config), "--grid", "num_generations=2,4", "--seeds", "0,1",
+            "--output_dir", str(output))  # fmt: skip
+    result = run_pods(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((output / "summary.json").read_text())
+    assert list(summary["arms"]) == ["num_generations=2", "num_generations=4"]
+    assert summary["baseline"] == "num_generations=2"
+    assert summary["arms"]["num_generations=4"]["seeds"] == [0, 1]
+    assert "speedup" in summary["arms"]["num_generations=4"]
+    rows = list(csv.DictReader((output / "evaluations.csv").open()))
+    assert {(r["arm"], r["num_generations"], r["seed"]) for r in rows} == {
+        (f"num_generations={n}", str(n), str(s)) for n in (2, 4) for s in (0, 1)
+    }
+    assert all(0 <= float(r["accuracy_se"]) <= 0.5 and r["num_problems"] == "8" for r in rows)
+    for name in ("accuracy_vs_time.png", "accuracy_vs_num_generations.png", "sweep.json"):
+        assert (output / name).stat().st_size > 0, name
+    run_dir = output / "num_generations=4" / "seed1"
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert (config["num_generations"], config["seed"], config["eval_at_start"]) == (4, 1, True)
+    assert "| num_generations=4 |" in result.stdout
+
+    stamp = (run_dir / "done.json").stat().st_mtime_ns
+    again = run_pods(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("already finished, reused") == 4
+    assert (run_dir / "done.json").stat().st_mtime_ns == stamp
+
+    changed = run_pods(*args, "--learning_rate", "0.5")
+    assert changed.returncode == 2 and "trained with other settings" in changed.stderr
+    assert "learning_rate" in changed.stderr and "Traceback" not in changed.stderr
+
+
+@pytest.mark.slow
+def test_an_interrupted_sweep_continues_where_it_stopped(tiny_sweep_config: Path, tmp_path: Path) -> None:
+    output = tmp_path / "sweep"
+    args = ["sweep", "--config", str(tiny_sweep_config), "--arm", "a:num_generations=2", "--arm",
+            "b:num_generations=4", "--seeds", "0", "--output_dir", str(output), "--max_steps", "40",
+            "--save_every_steps", "1", "--eval_every_seconds", "null"]  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pods", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    second = output / "b" / "seed0" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (second.is_dir() and any(p.name.startswith("step-") for p in second.iterdir())):
+        assert process.poll() is None and time.monotonic() < deadline, "the second run never checkpointed"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)  # as a scheduler ends a job
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr[-3000:]
+    assert (
+        "stopped by SIGTERM during b, seed 0" in stderr
+        and "To continue, run pods sweep" in stderr
+        and "Traceback" not in stderr
+    )
+    assert (output / "a" / "seed0" / "done.json").is_file() and not (
+        output / "b" / "seed0" / "done.json"
+    ).exists()
+    assert (
+        json.loads((output / "summary.json").read_text())["runs_finished"] == 1
+    )  # what finished is summarised
+
+    result = run_pods(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "a, seed 0: already finished, reused" in result.stdout and "(resuming)" in result.stdout
+    steps = [row["step"] for row in map(json.loads, (output / "b" / "seed0" / "metrics.jsonl").open())]
+    assert steps == list(range(1, 41))  # resumed: no step repeated, none missing
+    assert set(json.loads((output / "summary.json").read_text())["arms"]) == {"a", "b"}
+
+
+@pytest.mark.slow
+def test_compare_is_a_sweep_against_grpo(tiny_sweep_config: Path, tmp_path: Path) -> None:
+    output = tmp_path / "compare"
+    result = run_pods(
+        "compare", "--config", str(tiny_sweep_config), "--arms", "grpo,pods", "--seeds", "0",
+        "--output-dir", str(output),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pods vs grpo" in result.stdout and "per second:" in result.stdout
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["baseline"] == "grpo" and set(summary["arms"]) == {"grpo", "pods"}
+    grpo = yaml.safe_load((output / "grpo" / "seed0" / "config.yaml").read_text())
+    pods = yaml.safe_load((output / "pods" / "seed0" / "config.yaml").read_text())
+    assert (grpo["num_generations"], grpo["selection_rule"]) == (2, "all")
+    assert (pods["num_generations"], pods["num_generations_kept"], pods["selection_rule"]) == (
+        8,
+        2,
+        "max_variance",
+    )
+    assert (output / "accuracy_vs_time.png").is_file()
+    assert os.path.getsize(output / "evaluations.csv") > 0
+
+
+def test_sweep_command_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from pods.cli import main
+
+    for args, message in [
+        (
+            ["sweep", "--grid", "num_generations=4,8", "--num_generations", "16"],
+            "--num_generations is set per arm",
+        ),
+        (["sweep", "--grid", "num_generations=4", "--seed", "1"], "use --seeds"),
+        (["sweep", "--grid", "num_generations=4", "--seeds", "0,x"], "comma-separated integers"),
+        (
+            ["sweep", "--grid", "num_generations=4", "--baseline", "nope", "--output_dir", "/tmp/x"],
+            "is not an arm",
+        ),
+        (["sweep", "--arm", "a:num_generations=4", "--arm", "a:num_generations=8"], "must be distinct"),
+    ]:
+        assert main(args) == 2, args
+        assert message in capsys.readouterr().err, args
+
+
+def test_auto_is_set_against_the_best_fixed_n_with_the_same_other_keys() -> None:
+    from pods.sweep import auto_against_best_fixed
+
+    def row(overrides: dict, value: float, low: float, high: float) -> dict:
+        return {"overrides": overrides, "accuracy_at_budget": {"value": value, "low": low, "high": high}}
+
+    rows = {
+        "n4": row({"num_generations": 4, "learning_rate": 1e-4}, 0.70, 0.68, 0.72),
+        "n16": row({"num_generations": 16, "learning_rate": 1e-4}, 0.76, 0.74, 0.78),
+        "n16-other-lr": row({"num_generations": 16, "learning_rate": 2e-5}, 0.90, 0.89, 0.91),
+        "auto": row({"num_generations": "auto", "learning_rate": 1e-4}, 0.745, 0.70, 0.79),
+    }
+    (result,) = auto_against_best_fixed(rows)
+    assert result["best_fixed"] == "n16" and result["within_or_better"]
+    rows["auto"]["accuracy_at_budget"]["value"] = 0.73
+    assert not auto_against_best_fixed(rows)[0]["within_or_better"]
