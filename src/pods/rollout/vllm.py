@@ -75,6 +75,9 @@ def _import_vllm():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in the training process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op.*", category=FutureWarning)
     import vllm
 
     return vllm
