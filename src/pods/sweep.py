@@ -247,7 +247,9 @@ def _check_same_settings(run_dir: Path, wanted: TrainConfig) -> None:
     differ = [
         f"{key}: {saved.get(key)!r} then, {value!r} now"
         for key, value in wanted.to_dict().items()
-        if key not in IGNORED_WHEN_MATCHING and saved.get(key) != value
+        if key not in IGNORED_WHEN_MATCHING
+        and saved.get(key) != value
+        and not (key == "rollout_engine" and value == "auto")  # config.yaml holds what auto chose
     ]
     if differ:
         raise ConfigError(
