@@ -272,7 +272,11 @@ def test_fault_injection_sigkill_sigterm_and_a_damaged_checkpoint_resume_exactly
     output, metrics = tmp_path / "interrupted", tmp_path / "interrupted" / "metrics.jsonl"
     highest, resume, damaged = 0, {}, None
     for event in ("SIGKILL", "SIGTERM", "SIGKILL+damage", "SIGTERM"):
-        process = start_script(tiny_model_dir, output, {**settings, **resume})
+        # Steps of at least 0.1 s (the reward pauses; same values), so a stop point cannot run away to the end
+        # on a fast, idle machine.
+        process = start_script(
+            tiny_model_dir, output, {**settings, **resume}, env={"TINY_RUN_REWARD_SLEEP": "0.1"}
+        )
         wait_for_step(process, metrics, highest + rng.randint(1, 2))
         time.sleep(rng.uniform(0.0, 0.25))  # anywhere in a step: generating, updating or saving
         process.send_signal(signal.SIGKILL if event.startswith("SIGKILL") else signal.SIGTERM)
@@ -281,7 +285,7 @@ def test_fault_injection_sigkill_sigterm_and_a_damaged_checkpoint_resume_exactly
         if damaged is not None:  # this run started after the newest checkpoint was damaged
             assert f"skipping checkpoint {damaged}" in stderr and "model.safetensors has" in stderr, stderr
         highest = max(row["step"] for row in read_jsonl(metrics))
-        assert highest < steps, "the run ended before the signal: lower the stop points"
+        assert highest < steps, f"the run ended before the {event}: lower the stop points\n{stderr[-3000:]}"
         newest = list_checkpoints(output / "checkpoints")[-1]
         if event == "SIGTERM":
             assert code == 128 + signal.SIGTERM, stderr

@@ -57,6 +57,9 @@ class RecordingTrainer(PODSTrainer):
         self.updates: list[dict] = []  # per step: the texts and advantages of the rows the update used
 
     def _score(self, batch, rollouts):
+        if "TINY_RUN_REWARD_SLEEP" in os.environ:  # a scoring phase long enough to signal mid-step
+            print("REWARD CALL", flush=True)
+            time.sleep(float(os.environ["TINY_RUN_REWARD_SLEEP"]))
         rewards, per_function = super()._score(batch, rollouts)
         self.scored.append({"texts": list(rollouts.texts), "rewards": rewards.tolist()})
         return rewards, per_function
@@ -64,13 +67,6 @@ class RecordingTrainer(PODSTrainer):
     def _update(self, state, batch, advantages):
         self.updates.append({"texts": list(batch.texts), "advantages": advantages.tolist()})
         return super()._update(state, batch, advantages)
-
-
-def slow_count_of_a(prompts, completions, completion_ids=None, **columns) -> list[float]:
-    """count_of_a after a pause of TINY_RUN_REWARD_SLEEP seconds: a step long enough to signal mid-step."""
-    print("REWARD CALL", flush=True)
-    time.sleep(float(os.environ["TINY_RUN_REWARD_SLEEP"]))
-    return count_of_a(prompts, completions)
 
 
 def tiny_dataset(size: int = 64) -> Dataset:
@@ -85,7 +81,7 @@ def main() -> None:
     settings = {"model": model_dir, "output_dir": output_dir, **TINY_SETTINGS, **overrides}
     trainer = RecordingTrainer(
         TrainConfig.from_dict(settings),
-        reward_funcs=[slow_count_of_a if "TINY_RUN_REWARD_SLEEP" in os.environ else count_of_a],
+        reward_funcs=[count_of_a],
         train_dataset=tiny_dataset(),
     )
     first_prompt = trainer.prompts.batch(0)[0]["question"]
@@ -94,16 +90,19 @@ def main() -> None:
         result = trainer.train()
     except TrainingStopped as stopped:
         rank = trainer.accelerator.process_index
-        print(f"STOPPED {rank} {stopped.signal_name} {stopped.step} {stopped.checkpoint}", flush=True)
+        say(f"STOPPED {rank} {stopped.signal_name} {stopped.step} {stopped.checkpoint}")
         save_weights(trainer, output_dir)
         sys.exit(stopped.exit_code)
     model = trainer.accelerator.unwrap_model(trainer.model)
     checksum = sum(float(p.double().sum()) * (i + 1) for i, p in enumerate(model.parameters()))
-    print(
-        f"RESULT {trainer.accelerator.process_index} {result.steps} {checksum:.12e} {first_prompt!r}",
-        flush=True,
-    )
+    say(f"RESULT {trainer.accelerator.process_index} {result.steps} {checksum:.12e} {first_prompt!r}")
     save_weights(trainer, output_dir)
+
+
+def say(line: str) -> None:
+    """One line in one write: the ranks share a pipe, and the launcher's unbuffered print writes the text and
+    its newline separately, so two ranks' lines could interleave."""
+    os.write(1, f"{line}\n".encode())
 
 
 def save_weights(trainer: RecordingTrainer, output_dir: str) -> None:
