@@ -17,12 +17,6 @@ Reader = Callable[..., Any]
 ``answer`` (a list, or a ``datasets.Dataset``); ``source`` and ``seed`` are passed only if accepted."""
 
 
-_LOAD_OPTIONS = {
-    "split", "source", "prompt_style", "tokenizer", "max_prompt_tokens", "limit", "seed", "shuffle",
-    "system_prompt", "template",
-}  # fmt: skip
-
-
 @dataclass(frozen=True)
 class Task:
     """A task: its reader, its prompt, its training rewards and its accuracy function."""
@@ -59,7 +53,8 @@ class Task:
         takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
         unknown = sorted(set(options) - set(parameters)) if not takes_any else []
         if unknown:
-            accepted = sorted(_LOAD_OPTIONS | set(parameters) - {"kwargs"})
+            own = set(inspect.signature(Task.load).parameters) - {"self", "options"}
+            accepted = sorted(own | set(parameters) - {"kwargs"})
             raise TaskDataError(
                 f"task {self.name!r} does not accept option(s) {unknown}; it accepts {accepted}."
             )
