@@ -9,12 +9,12 @@
 3. the engines' start-up and first call;
 4. the update (log-probs, loss, backward, AdamW step on 16 prompts x m = 4 kept rows) before any vLLM engine
    exists, and again with the engine resident in the process (vLLM lowers torch to one thread on a CPU;
-   pods gives the update its threads back).
+   pods gives sampling and the update their threads back).
 
 Generation figures are medians over ``--repeats`` rounds (one for the long case) after one warm-up call per
 engine, the two engines called in turn within each round so that both see the same load; both go through
 ``RolloutEngine.generate`` (real rollouts: EOS ends a completion), so tokens generated are reported too.
-HF ``generate`` runs with torch's threads (all cores); vLLM samples on one (its choice on the CPU).
+Both engines run with torch's threads (all cores).
 """
 
 from __future__ import annotations
