@@ -305,4 +305,3 @@ def _gathered(param: torch.nn.Parameter):
 
     with deepspeed.zero.GatheredParameters([param]):
         yield
-
