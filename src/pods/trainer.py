@@ -449,13 +449,19 @@ class PODSTrainer:
                 )
         sums = self._synced_sum(sums.to(device)).cpu()
         means = {name: float(sums[i] / max(float(sums[-1]), 1.0)) for i, name in enumerate(statistics)}
-        if mismatch:  # TRL's names: how far the sampler's log-probs are from the trainer's
-            means["sampling/sampling_logp_difference/mean"] = sum(mismatch) / len(mismatch)
+        if (
+            mismatch
+        ):  # TRL's names: how far the sampler's log-probs are from the trainer's, over all processes
             ratios = [
                 (w.sum() / mask[slice(s, s + micro)].sum().clamp_min(1)).item()
                 for s, w in sampler_weights.items()
             ]
-            means["sampling/importance_sampling_ratio/mean"] = sum(ratios) / len(ratios)
+            totals = torch.tensor(
+                [sum(mismatch), len(mismatch), sum(ratios), len(ratios)], dtype=torch.float64
+            )
+            totals = self._synced_sum(totals.to(device)).cpu()
+            means["sampling/sampling_logp_difference/mean"] = float(totals[0] / totals[1])
+            means["sampling/importance_sampling_ratio/mean"] = float(totals[2] / totals[3])
         return {"loss": loss, **means, "grad_norm": sum(grad_norms) / len(grad_norms)}
 
     def _step_is_finite(self, state: TrainerState, finite: bool) -> bool:
