@@ -16,7 +16,17 @@ import pytest
 import yaml
 
 from pods.config import ConfigError, TrainConfig
-from pods.sweep import Arm, SeedRun, arm_config, format_summary, grid_arms, parse_arm, parse_grid, summarise
+from pods.sweep import (
+    Arm,
+    SeedRun,
+    arm_config,
+    format_summary,
+    grid_arms,
+    parse_arm,
+    parse_grid,
+    resolve_baselines,
+    summarise,
+)
 
 
 def run_pods(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
@@ -113,6 +123,56 @@ def test_summary_of_known_curves() -> None:
     assert fast["speedup"]["gain_50"]["value"] > 1 and fast["speedup_per_step"]["gain_50"]["value"] > 1
     assert summary["target_accuracy"] == pytest.approx(0.99 * 0.6)
     assert "fast vs slow" in format_summary(summary)
+
+
+def test_a_baseline_naming_one_key_compares_each_arm_within_its_row_of_the_grid() -> None:
+    """--baseline num_generations=4 in a learning_rate x n grid: each n against n=4 at the same learning
+    rate (and the auto arm against n=4 with its own other keys); one target per baseline."""
+    arms = grid_arms([("learning_rate", ["1e-5", "1e-4"]), ("num_generations", ["4", "16"])])
+    arms.append(Arm("auto", {"learning_rate": 1e-4, "num_generations": "auto"}))
+    mapping = resolve_baselines(arms, "num_generations=4")
+    assert mapping == {
+        "learning_rate=1e-5,num_generations=4": "learning_rate=1e-5,num_generations=4",
+        "learning_rate=1e-5,num_generations=16": "learning_rate=1e-5,num_generations=4",
+        "learning_rate=1e-4,num_generations=4": "learning_rate=1e-4,num_generations=4",
+        "learning_rate=1e-4,num_generations=16": "learning_rate=1e-4,num_generations=4",
+        "auto": "learning_rate=1e-4,num_generations=4",
+    }
+    assert set(resolve_baselines(arms, "auto").values()) == {"auto"}  # an arm's name: one baseline for all
+    with pytest.raises(ConfigError, match="no arm has those values"):
+        resolve_baselines(arms, "num_generations=8")
+    with pytest.raises(ConfigError, match="is not an arm"):
+        resolve_baselines(arms, "nope")
+
+    def run(arm: str, seed: int, accuracy: list[float]) -> SeedRun:
+        seconds = [0.0, 10.0, 20.0, 30.0, 40.0]
+        return SeedRun(
+            arm, seed, Path("."), [0, 5, 10, 15, 20], seconds, accuracy, [100] * 5, 20, 2.0, 1.5, 0.5, 4
+        )
+
+    low_lr, high_lr = arms[0].name, arms[2].name
+    runs = []
+    for seed in (0, 1):  # at 1e-5, n=16 climbs faster than n=4; at 1e-4 slower; plateaus differ by row
+        runs += [
+            run(low_lr, seed, [0.2, 0.3, 0.5, 0.5, 0.5]),
+            run(arms[1].name, seed, [0.2, 0.5, 0.5, 0.5, 0.5]),
+        ]
+        runs += [
+            run(high_lr, seed, [0.2, 0.8, 0.8, 0.8, 0.8]),
+            run(arms[3].name, seed, [0.2, 0.4, 0.6, 0.8, 0.8]),
+        ]
+    summary = summarise(runs, arms[:4], baseline="num_generations=4")
+    rows = summary["arms"]
+    assert rows[arms[1].name]["baseline"] == low_lr and rows[arms[3].name]["baseline"] == high_lr
+    assert rows[arms[1].name]["speedup"]["gain_50"]["verdict"] == "faster"
+    assert rows[arms[3].name]["speedup"]["gain_50"]["verdict"] == "slower"
+    assert "speedup" not in rows[low_lr] and "speedup" not in rows[high_lr]
+    assert rows[arms[1].name]["target_accuracy"] == pytest.approx(0.99 * 0.5)
+    assert rows[arms[3].name]["target_accuracy"] == pytest.approx(0.99 * 0.8)
+    assert "target_accuracy" not in summary  # two baselines, two targets
+    text = format_summary(summary)
+    assert f"{arms[3].name} vs {high_lr}" in text and f"{arms[1].name} vs {low_lr}" in text
+    assert "(to 79.2%)" in text and "(to 49.5%)" in text
 
 
 @pytest.mark.slow

@@ -487,7 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--arm", action="append", help="NAME:KEY=VALUE,KEY=VALUE: a named arm next to the grid (repeatable)"
     )
     sweep.add_argument(
-        "--baseline", help="the arm the speed-ups are measured against (default: the first arm)"
+        "--baseline",
+        help="the arm the speed-ups are measured against (default: the first arm), or KEY=VALUE naming some "
+        "grid keys: each arm against the arm with that value and its own other keys (e.g. num_generations=4 "
+        "in a learning_rate x num_generations grid: each n against n=4 at the same learning rate)",
     )
     sweep.add_argument(
         "--target", type=float, help="accuracy to time (default: 99%% of the baseline's smoothed peak)"

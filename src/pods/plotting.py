@@ -131,8 +131,11 @@ def plot_sweep_values(summary: dict, swept_keys: list[str], output: str | Path) 
             axis.axhline(100 * acc["value"], linestyle="--", linewidth=1, label=arm, color=color)
             if acc["low"] is not None:
                 axis.axhspan(100 * acc["low"], 100 * acc["high"], alpha=0.1, color=color)
-        if key == "num_generations" or all(x > 0 for pts in lines.values() for x, _ in pts):
-            axis.set_xscale("log", base=2)
+        values = sorted({x for pts in lines.values() for x, _ in pts})
+        if values and all(x > 0 for x in values):  # log scale, ticked at the swept values as written
+            axis.set_xscale("log", base=2 if all(float(x).is_integer() for x in values) else 10)
+            axis.set_xticks(values, [f"{x:g}" for x in values])
+            axis.minorticks_off()
     else:
         axis.set_xticks(range(len(flat)), [arm for arm, _ in flat], rotation=20, fontsize=8)
     axis.set(xlabel=key, ylabel="accuracy at the budget (%)", title="mean over seeds, 95% interval")

@@ -122,6 +122,33 @@ def grid_arms(grid: Sequence[tuple[str, list[str]]]) -> list[Arm]:
     return arms
 
 
+def resolve_baselines(arms: Sequence[Arm], baseline: str) -> dict[str, str]:
+    """Each arm's baseline arm. ``baseline`` is an arm's name (one baseline for all), or ``KEY=VALUE[,...]``
+    naming some of the swept keys: each arm is then compared with the arm that has those values and the
+    arm's own values of the other keys (in a learning-rate x n grid, ``num_generations=4`` compares each n
+    with n = 4 at the same learning rate)."""
+    names = [arm.name for arm in arms]
+    if baseline in names:
+        return {name: baseline for name in names}
+    pairs = [item.partition("=") for item in baseline.split(",") if item.strip()]
+    if not pairs or any(not eq for _, eq, _ in pairs):
+        raise ConfigError(f"--baseline {baseline!r} is not an arm; arms: {', '.join(names)}")
+    wanted = {
+        k.strip().replace("-", "_"): _value(k.strip().replace("-", "_"), v.strip()) for k, _, v in pairs
+    }
+    by_keys = {tuple(sorted(arm.overrides.items(), key=str)): arm.name for arm in arms}
+    mapping = {}
+    for arm in arms:
+        match = by_keys.get(tuple(sorted({**arm.overrides, **wanted}.items(), key=str)))
+        if match is not None:
+            mapping[arm.name] = match
+    if not mapping:
+        raise ConfigError(
+            f"--baseline {baseline!r} is not an arm and no arm has those values; arms: {', '.join(names)}"
+        )
+    return mapping
+
+
 def arm_config(base: TrainConfig, arm: Arm, seed: int, run_dir: Path, resume: bool) -> TrainConfig:
     """The base configuration with the arm's keys, the seed, its run folder, and evaluation at the start."""
     for key in arm.overrides:
@@ -166,8 +193,7 @@ def run_sweep(
     if not arms or not seeds:
         raise ConfigError("a sweep needs at least one arm and one seed")
     baseline = baseline or arms[0].name
-    if baseline not in names:
-        raise ConfigError(f"--baseline {baseline!r} is not an arm; arms: {', '.join(names)}")
+    resolve_baselines(arms, baseline)  # a baseline that names no arm fails here, before any training
     for arm in arms:  # check every arm's settings before hours of training
         for seed in seeds:
             arm_config(base, arm, seed, output_dir / arm.folder / f"seed{seed}", resume=False)
@@ -289,17 +315,22 @@ def summarise(
     over problems), time to the target accuracy, and speed-ups against the baseline per second and per step."""
     by_arm = {arm.name: [r for r in runs if r.arm == arm.name] for arm in arms}
     by_arm = {name: arm_runs for name, arm_runs in by_arm.items() if arm_runs}
-    base_runs = by_arm.get(baseline)
+    baselines = resolve_baselines(arms, baseline)
     summary: dict[str, Any] = {"baseline": baseline, "arms": {}}
-    if base_runs:
-        base_grid = common_grid([_curves(base_runs)])
-        smoothed_peak = float(smoothed_mean_curve(_curves(base_runs), base_grid)[1].max())
-        summary["target_accuracy"] = target if target is not None else 0.99 * smoothed_peak
+    targets = {}  # per baseline arm: the accuracy to time
+    for name in set(baselines.values()) & set(by_arm):
+        grid = common_grid([_curves(by_arm[name])])
+        smoothed_peak = float(smoothed_mean_curve(_curves(by_arm[name]), grid)[1].max())
+        targets[name] = target if target is not None else 0.99 * smoothed_peak
+    if len(set(baselines.values())) == 1 and targets:  # one baseline: one target for every arm
+        summary["target_accuracy"] = next(iter(targets.values()))
         summary["target_is"] = "given" if target is not None else "99% of the baseline's smoothed peak"
     for arm in arms:
         arm_runs = by_arm.get(arm.name)
         if not arm_runs:
             continue
+        base_name = baselines.get(arm.name)
+        base_runs = by_arm.get(base_name) if base_name is not None else None
         final = [r.accuracy[-1] for r in arm_runs]
         best = [max(r.accuracy) for r in arm_runs]
         se = [accuracy_standard_error(r.accuracy[-1], r.num_problems[-1]) for r in arm_runs]
@@ -319,9 +350,11 @@ def summarise(
             "seconds_update_per_step": _mean([r.seconds_update for r in arm_runs]),
             "mean_num_generations": _mean([r.mean_num_generations for r in arm_runs]),
         }
-        if "target_accuracy" in summary:
-            row["seconds_to_target"] = time_to_level(_curves(arm_runs), summary["target_accuracy"]).to_dict()
-        if base_runs and arm.name != baseline:
+        if base_name in targets:
+            row["baseline"] = base_name
+            row["target_accuracy"] = targets[base_name]
+            row["seconds_to_target"] = time_to_level(_curves(arm_runs), targets[base_name]).to_dict()
+        if base_runs and arm.name != base_name:
             row["speedup"] = {
                 k: v.to_dict() for k, v in compare_curves(_curves(base_runs), _curves(arm_runs)).items()
             }
@@ -456,19 +489,21 @@ def _budget(config: TrainConfig) -> str:
 # ---------------------------------------------------------------------------------------------- report
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a Markdown table plus one line per speed-up, with intervals and verdicts."""
-    baseline = summary["baseline"]
     target = summary.get("target_accuracy")
+    reach_header = f"seconds to {_pct(target)}" if target is not None else "seconds to its baseline's target"
     lines = [
-        f"| arm | accuracy at budget (95% CI) | best accuracy | seconds to {_pct(target)} | "
+        f"| arm | accuracy at budget (95% CI) | best accuracy | {reach_header} | "
         "s/step (generate + update) | steps |",
         "|---|---|---|---|---|---|",
     ]
     for arm, row in summary["arms"].items():
         at, best = row["accuracy_at_budget"], row["best_accuracy"]
-        reach = row.get("seconds_to_target") or {}
+        reach = _seconds(row.get("seconds_to_target") or {})
+        if target is None and "target_accuracy" in row:
+            reach += f" (to {_pct(row['target_accuracy'])})"
         lines.append(
             f"| {arm} | {_pct_ci(at)} +-{100 * row['accuracy_at_budget_se_over_problems']:.1f} over problems | "
-            f"{_pct_ci(best)} | {_seconds(reach)} | "
+            f"{_pct_ci(best)} | {reach} | "
             f"{row['seconds_per_step']:.2f} ({row['seconds_generate_per_step']:.2f} + "
             f"{row['seconds_update_per_step']:.2f}) | {', '.join(map(str, row['steps']))} |"
         )
@@ -484,6 +519,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     for arm, row in summary["arms"].items():
         if "speedup" not in row:
             continue
+        baseline = row["baseline"]
         lines.append(
             f"\n{arm} vs {baseline} (speed-up = {baseline}'s time / {arm}'s time, 95% interval over seeds):"
         )

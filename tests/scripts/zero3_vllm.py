@@ -1,0 +1,74 @@
+"""A DeepSpeed ZeRO-3 model's weights pushed into the vLLM engine, one gathered parameter at a time, in one
+CPU process; used by tests/test_vllm.py as a subprocess (DeepSpeed and vLLM keep process-wide state).
+
+    python tests/scripts/zero3_vllm.py MODEL_DIR
+
+Prints ``PARTITIONED <n>`` (parameters whose local tensor is an empty shard) and ``SAME <bool>`` (the
+engine's greedy completions equal HF ``generate``'s on the full, unpartitioned model after one AdamW step).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch
+
+
+def main() -> None:
+    model_dir = sys.argv[1]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from pods.models import load_tokenizer
+    from pods.rollout import HFGenerateEngine, SamplingParams
+    from pods.rollout.vllm import VLLMEngine
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+    }
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    tokenizer = load_tokenizer(model_dir)
+    batch = tokenizer(["Tom has 5 apples and 3 pears."], return_tensors="pt")
+    loss = engine(**batch, labels=batch["input_ids"]).loss
+    engine.backward(loss)
+    engine.step()  # the weights now differ from the checkpoint's
+    partitioned = sum(p.numel() == 0 for p in engine.module.parameters())
+    print(f"PARTITIONED {partitioned}", flush=True)
+
+    vllm_engine = VLLMEngine(engine.module, tokenizer, kv_cache_gb=0.05)
+    prompts = ["Tom has 5 apples.", "A box holds 7 pens.", "Mia has 12 cards."]
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    sampled = vllm_engine.generate(prompts, 1, greedy)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        full.load_state_dict({k: v.detach().clone() for k, v in engine.module.state_dict().items()})
+    reference = HFGenerateEngine(full, tokenizer).generate(prompts, 1, greedy)
+    changed = any(
+        not torch.equal(a, b)
+        for a, b in zip(
+            full.parameters(), AutoModelForCausalLM.from_pretrained(model_dir).parameters(), strict=True
+        )
+    )
+    print(f"CHANGED {changed}", flush=True)
+    print(
+        f"SAME {sampled.texts == reference.texts and torch.equal(sampled.completion_ids, reference.completion_ids)}"
+    )
+    vllm_engine.close()
+
+
+if __name__ == "__main__":
+    main()
