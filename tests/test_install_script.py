@@ -13,19 +13,14 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "install.sh"
 
 def extras(tmp_path: Path, *args: str, gpu: bool = False, engine: str | None = None) -> str:
     """What install.sh would install, with a fake ``nvidia-smi`` on PATH when ``gpu``."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    fake = bin_dir / "nvidia-smi"
+    env = {k: v for k, v in os.environ.items() if k != "PODS_ENGINE"}
+    env["PATH"] = "/usr/bin:/bin"  # the tools the script uses, and no nvidia-smi of this machine's
     if gpu:
+        fake = tmp_path / "bin" / "nvidia-smi"
+        fake.parent.mkdir(exist_ok=True)
         fake.write_text("#!/bin/sh\nexit 0\n")
         fake.chmod(0o755)
-    elif fake.exists():
-        fake.unlink()
-    env = {k: v for k, v in os.environ.items() if k != "PODS_ENGINE"}
-    if not gpu:  # a machine without nvidia-smi: keep only the directories that hold the tools the script uses
-        env["PATH"] = "/usr/bin:/bin"
-    else:
-        env["PATH"] = f"{bin_dir}:/usr/bin:/bin"
+        env["PATH"] = f"{fake.parent}:{env['PATH']}"
     if engine is not None:
         env["PODS_ENGINE"] = engine
     result = subprocess.run(

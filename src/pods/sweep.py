@@ -98,16 +98,25 @@ def _value(key: str, raw: str) -> Any:
     return parse_overrides([f"{key}={raw}"])[key]
 
 
+def _parse_settings(body: str) -> dict[str, Any] | None:
+    """``"KEY=VALUE,KEY=VALUE"`` -> ``{key: value}`` (values as the command line reads them), or None when
+    it is not of that form."""
+    pairs = [item.partition("=") for item in body.split(",") if item.strip()]
+    if not pairs or any(not eq for _, eq, _ in pairs):
+        return None
+    keys = [(k.strip().replace("-", "_"), v.strip()) for k, _, v in pairs]
+    return {key: _value(key, raw) for key, raw in keys}
+
+
 def parse_arm(spec: str) -> Arm:
     """``"grpo:num_generations=4,selection_rule=all"`` -> a named arm with those keys."""
     name, sep, body = spec.partition(":")
-    pairs = [item.partition("=") for item in body.split(",") if item.strip()]
-    if not sep or not name.strip() or not pairs or any(not eq for _, eq, _ in pairs):
+    settings = _parse_settings(body)
+    if not sep or not name.strip() or settings is None:
         raise ConfigError(
             f"--arm {spec!r}: write NAME:KEY=VALUE,KEY=VALUE (e.g. --arm grpo:num_generations=4,selection_rule=all)"
         )
-    keys = [(k.strip().replace("-", "_"), v.strip()) for k, _, v in pairs]
-    return Arm(name.strip(), {key: _value(key, raw) for key, raw in keys})
+    return Arm(name.strip(), settings)
 
 
 def grid_arms(grid: Sequence[tuple[str, list[str]]]) -> list[Arm]:
@@ -130,12 +139,9 @@ def resolve_baselines(arms: Sequence[Arm], baseline: str) -> dict[str, str]:
     names = [arm.name for arm in arms]
     if baseline in names:
         return {name: baseline for name in names}
-    pairs = [item.partition("=") for item in baseline.split(",") if item.strip()]
-    if not pairs or any(not eq for _, eq, _ in pairs):
+    wanted = _parse_settings(baseline)
+    if wanted is None:
         raise ConfigError(f"--baseline {baseline!r} is not an arm; arms: {', '.join(names)}")
-    wanted = {
-        k.strip().replace("-", "_"): _value(k.strip().replace("-", "_"), v.strip()) for k, _, v in pairs
-    }
     by_keys = {tuple(sorted(arm.overrides.items(), key=str)): arm.name for arm in arms}
     mapping = {}
     for arm in arms:
@@ -319,8 +325,8 @@ def summarise(
     summary: dict[str, Any] = {"baseline": baseline, "arms": {}}
     targets = {}  # per baseline arm: the accuracy to time
     for name in set(baselines.values()) & set(by_arm):
-        grid = common_grid([_curves(by_arm[name])])
-        smoothed_peak = float(smoothed_mean_curve(_curves(by_arm[name]), grid)[1].max())
+        curves = _curves(by_arm[name])
+        smoothed_peak = float(smoothed_mean_curve(curves, common_grid([curves]))[1].max())
         targets[name] = target if target is not None else 0.99 * smoothed_peak
     if len(set(baselines.values())) == 1 and targets:  # one baseline: one target for every arm
         summary["target_accuracy"] = next(iter(targets.values()))
@@ -330,7 +336,7 @@ def summarise(
         if not arm_runs:
             continue
         base_name = baselines.get(arm.name)
-        base_runs = by_arm.get(base_name) if base_name is not None else None
+        base_runs = by_arm.get(base_name)
         final = [r.accuracy[-1] for r in arm_runs]
         best = [max(r.accuracy) for r in arm_runs]
         se = [accuracy_standard_error(r.accuracy[-1], r.num_problems[-1]) for r in arm_runs]

@@ -449,9 +449,8 @@ class PODSTrainer:
                 )
         sums = self._synced_sum(sums.to(device)).cpu()
         means = {name: float(sums[i] / max(float(sums[-1]), 1.0)) for i, name in enumerate(statistics)}
-        if (
-            mismatch
-        ):  # TRL's names: how far the sampler's log-probs are from the trainer's, over all processes
+        # TRL's names: how far the sampler's log-probs are from the trainer's, over all processes
+        if mismatch:
             ratios = [
                 (w.sum() / mask[slice(s, s + micro)].sum().clamp_min(1)).item()
                 for s, w in sampler_weights.items()

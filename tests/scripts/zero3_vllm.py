@@ -3,8 +3,9 @@ CPU process; used by tests/test_vllm.py as a subprocess (DeepSpeed and vLLM keep
 
     python tests/scripts/zero3_vllm.py MODEL_DIR
 
-Prints ``PARTITIONED <n>`` (parameters whose local tensor is an empty shard) and ``SAME <bool>`` (the
-engine's greedy completions equal HF ``generate``'s on the full, unpartitioned model after one AdamW step).
+Prints ``PARTITIONED <n>`` (parameters whose local tensor is an empty shard), ``CHANGED <bool>`` (the AdamW
+step moved the weights away from the checkpoint's) and ``SAME <bool>`` (the engine's greedy completions
+equal HF ``generate``'s on the full, unpartitioned model after that step).
 """
 
 from __future__ import annotations
