@@ -2,7 +2,8 @@
 ``question``, ``answer`` (gold final answer, a string), ``solution`` and ``prompt``.
 
 Each task is a :class:`Task`: its reader, prompt, training rewards and accuracy function. Built in:
-``gsm8k``, ``math500``, ``math``, and ``arith`` (the embedded synthetic task, :mod:`pods.data.arith`). Add your own with :func:`register_task`.
+``gsm8k``, ``math500``, ``math``, and the embedded synthetic tasks ``arith`` and ``arith-hard``
+(:mod:`pods.data.arith`). Add your own with :func:`register_task`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pods.data.arith import read_arith
+from pods.data.arith import read_arith, read_arith_hard
 from pods.data.common import HubUnavailableError, MissingDataError, TaskDataError
 from pods.data.gsm8k import read_gsm8k
 from pods.data.math import read_math, read_math500
@@ -29,19 +30,18 @@ __all__ = [
 
 
 _MATH = {"reward_funcs": ("math_accuracy", "format", "tag"), "accuracy": "math_accuracy"}
+# The embedded models were trained on "Question: ...\nAnswer:" and write 20-odd (arith-hard: 30-odd) tokens.
+_ARITH = {
+    "reward_funcs": ("accuracy",),
+    "prompt_style": "plain",
+    "plain_template": "Question: {question}\nAnswer:",
+}
 _TASKS: dict[str, Task] = {
     "gsm8k": Task("gsm8k", read_gsm8k),
     "math500": Task("math500", read_math500, **_MATH),
     "math": Task("math", read_math, **_MATH),
-    # The embedded model was trained on "Question: ...\nAnswer:" and writes 20-odd tokens.
-    "arith": Task(
-        "arith",
-        read_arith,
-        reward_funcs=("accuracy",),
-        prompt_style="plain",
-        plain_template="Question: {question}\nAnswer:",
-        max_new_tokens=32,
-    ),
+    "arith": Task("arith", read_arith, **_ARITH, max_new_tokens=32),
+    "arith-hard": Task("arith-hard", read_arith_hard, **_ARITH, max_new_tokens=40),
 }
 
 
