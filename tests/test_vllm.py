@@ -111,16 +111,20 @@ def test_greedy_equals_hf_on_the_same_float32_weights(embedded) -> None:
     assert all("####" in text for text in ours.texts)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", ["", "lora", "lora+norm"], ids=["full", "lora", "lora+modules_to_save"])
 def test_after_an_optimizer_step_sync_weights_gives_the_updated_models_completions(
-    embedded, lora: bool
+    embedded, lora: str
 ) -> None:
     model, tokenizer, engine = embedded
     trained = copy.deepcopy(model)
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        trained = get_peft_model(trained, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+        # "lora+norm" also trains a full copy of the final norm (peft's modules_to_save): the engine must
+        # get the trained copy under the norm's own name, not the frozen original
+        extra = {"modules_to_save": ["model.norm"]} if lora == "lora+norm" else {}
+        config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", **extra)
+        trained = get_peft_model(trained, config)
     before = engine.generate(PROMPTS, 1, GREEDY)
     try:
         for _ in range(3):
@@ -144,6 +148,23 @@ def test_after_an_optimizer_step_sync_weights_gives_the_updated_models_completio
     finally:
         engine.sync_weights(model)
     assert engine.generate(PROMPTS, 1, GREEDY).texts == before.texts
+
+
+def test_a_push_that_leaves_an_engine_weight_unwritten_fails_naming_it(embedded) -> None:
+    from pods.rollout.vllm import WeightSyncError, _named_weights
+
+    model, _, engine = embedded
+    try:
+        pushed = (item for item in _named_weights(model) if item[0] != "model.norm.weight")
+        with pytest.raises(
+            WeightSyncError, match=r"1 of the vLLM engine's \d+ weights unwritten \(model\.norm\.weight\)"
+        ):
+            engine.load_weights(pushed)
+        renamed = ((name.replace("model.norm.", "model.final_norm."), t) for name, t in _named_weights(model))
+        with pytest.raises(WeightSyncError, match="final_norm"):
+            engine.load_weights(renamed)
+    finally:
+        engine.sync_weights(model)  # the whole model again, checked
 
 
 def test_truncation_matches_hf(embedded) -> None:
@@ -204,9 +225,7 @@ def test_engine_choice(tiny_model_dir: Path, tiny_vllm_model_dir: Path) -> None:
     assert choose_engine("hf") == ("hf", "requested")
     assert choose_engine("vllm") == ("vllm", "requested")
     assert choose_engine("auto")[0] == "vllm"
-    assert choose_engine("auto", load_in_4bit=True)[0] == "hf"
-    with pytest.raises(ValueError, match="4-bit"):
-        choose_engine("vllm", load_in_4bit=True)
+    assert choose_engine("auto", load_in_4bit=True)[0] == "vllm"  # vLLM gets a 4-bit base dequantized
     # vLLM's CPU attention has no kernel for head size 8 (the usual tiny test model): auto falls back
     head_8 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     engine, reason = choose_engine("auto", model=head_8)

@@ -49,7 +49,9 @@ class TrainConfig:
     lora_alpha: int = 64
     lora_dropout: float = 0.0
     lora_target_modules: list[str] | str = "all-linear"
-    load_in_4bit: bool = False  # QLoRA base (needs bitsandbytes and a GPU)
+    load_in_4bit: bool = (
+        False  # QLoRA base: NF4 computing in `dtype` (needs bitsandbytes >= 0.48; CUDA or CPU)
+    )
     gradient_checkpointing: bool = False
 
     # --- data ---
@@ -78,7 +80,8 @@ class TrainConfig:
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM may take (colocated with training)
     vllm_enable_sleep_mode: bool = False  # GPU: offload vLLM's weights and KV cache during the update
     vllm_max_model_length: int | None = None  # default: max_prompt_length + max_completion_length
-    vllm_tensor_parallel_size: int = 1
+    vllm_tensor_parallel_size: int = 1  # must be 1: one engine per process and GPU (TRL's colocate default)
+    vllm_max_num_batched_tokens: int | None = 4096  # tokens per engine forward; TRL's value (null: vLLM's)
     vllm_cpu_kv_cache_gb: float = 1.0  # CPU only: memory for vLLM's KV cache
 
     # --- rewards and loss ---
@@ -197,7 +200,18 @@ class TrainConfig:
             "vllm_max_model_length",
             "must be at least 2 (prompt + completion tokens) or null",
         )
-        _require(self.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size", "must be at least 1")
+        _require(
+            self.vllm_tensor_parallel_size == 1,
+            "vllm_tensor_parallel_size",
+            f"must be 1, got {self.vllm_tensor_parallel_size}: pods runs one engine per process, each on its own "
+            "GPU (TRL's colocate mode); for more rollout throughput launch more processes (accelerate launch "
+            "--num_processes N), for a model too large for one GPU use LoRA with load_in_4bit",
+        )
+        _require(
+            self.vllm_max_num_batched_tokens is None or self.vllm_max_num_batched_tokens >= 1,
+            "vllm_max_num_batched_tokens",
+            "must be at least 1, or null for vLLM's default",
+        )
         _require(self.vllm_cpu_kv_cache_gb > 0, "vllm_cpu_kv_cache_gb", "must be positive (GiB)")
         _require(
             self.vllm_importance_sampling_cap >= 1,

@@ -58,7 +58,8 @@ def evaluate(
     """Score ``model`` on every row of ``dataset`` (columns ``prompt``, ``answer``), sharded over processes.
 
     ``engine`` samples the completions (the trainer passes its own, which holds the training weights);
-    by default HF ``generate`` on ``model``.
+    by default HF ``generate`` on ``model``. HF ``generate`` gets ``batch_size`` completions per call; any
+    other engine (vLLM, which schedules its own batches) gets the whole set in one call.
     """
     from pods.prompts import render_prompt
 
@@ -73,7 +74,8 @@ def evaluate(
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     rows = [dataset[i] for i in range(rank, len(dataset), world)]
     engine = engine or HFGenerateEngine(model, tokenizer, generation_batch_size=batch_size)
-    prompts_per_batch = max(1, batch_size // k)
+    chunked = isinstance(engine, HFGenerateEngine)
+    prompts_per_batch = max(1, batch_size // k) if chunked else max(1, len(rows))
 
     start = time.perf_counter()
     totals = torch.zeros(3, dtype=torch.float64)  # correct, formatted, both

@@ -116,20 +116,28 @@ def load_reference(config: TrainConfig) -> torch.nn.Module:
 
 
 def _four_bit_config(config: TrainConfig):
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            "load_in_4bit needs a CUDA GPU (bitsandbytes 4-bit kernels); set load_in_4bit: false"
-        )
+    """NF4 with double quantization (the QLoRA recipe), computing in the run's dtype (bfloat16 for ``auto``)."""
     try:
-        import bitsandbytes  # noqa: F401
+        import bitsandbytes
         from transformers import BitsAndBytesConfig
     except ImportError:
-        raise ConfigError("load_in_4bit needs bitsandbytes: pip install bitsandbytes") from None
+        raise ConfigError(
+            "load_in_4bit needs bitsandbytes >= 0.48: pip install 'bitsandbytes>=0.48'"
+        ) from None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:  # bitsandbytes >= 0.48 has CPU kernels; older ones (and broken CUDA set-ups) fail here, not mid-load
+        bitsandbytes.functional.quantize_4bit(torch.ones(64, device=device), quant_type="nf4")
+    except Exception as error:
+        raise ConfigError(
+            f"load_in_4bit: bitsandbytes {bitsandbytes.__version__} cannot quantize to 4-bit on {device} "
+            f"({type(error).__name__}); install bitsandbytes >= 0.48, or set load_in_4bit: false"
+        ) from None
+    compute = _DTYPES.get(config.dtype, torch.bfloat16)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_compute_dtype=compute,
     )
 
 
