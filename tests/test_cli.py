@@ -163,10 +163,11 @@ def test_every_preset_resolves_and_runs_a_step_on_a_tiny_model(
     name: str, tiny_model_dir: Path, tmp_path: Path, shared_data: Path
 ) -> None:
     from pods.cli import load_train_config
+    from pods.registries import check_names
     from pods.trainer import PODSTrainer
 
     config = load_train_config(name, [])  # parses and validates the preset as shipped
-    config.check_names()
+    check_names(config)
     sources = {"gsm8k": shared_data / "gsm8k", "math500": shared_data / "math500" / "test.jsonl"}
     task = "math500" if config.task == "math" else config.task  # MATH train lives on the Hub only
     overrides = {

@@ -71,12 +71,14 @@ def test_bad_settings_name_the_key(values: dict, message: str) -> None:
 
 
 def test_registry_names_are_checked() -> None:
+    from pods.registries import check_names
+
     with pytest.raises(ConfigError, match=r"selection_rule: unknown value 'best'.*max_variance"):
-        TrainConfig(selection_rule="best").check_names()
+        check_names(TrainConfig(selection_rule="best"))
     with pytest.raises(ConfigError, match="reward_funcs: unknown value 'speed'"):
-        TrainConfig(reward_funcs=["speed"]).check_names()
+        check_names(TrainConfig(reward_funcs=["speed"]))
     with pytest.raises(ConfigError, match="task: unknown value 'chess'"):
-        TrainConfig(task="chess").check_names()
+        check_names(TrainConfig(task="chess"))
 
 
 def test_bad_yaml_files(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pods.config import ConfigError
+from pods.errors import CheckpointWriteError, ConfigError, DamagedCheckpointError
 
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
@@ -28,14 +29,6 @@ SCHEDULER_FILE = (
     "lr_scheduler.pt"  # our own, loaded with weights_only=True (accelerate's custom pickles are not)
 )
 _NAME = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointWriteError(RuntimeError):
-    """Writing a checkpoint failed (disk full, permissions); the earlier checkpoints are intact."""
-
-
-class DamagedCheckpointError(ConfigError):
-    """A checkpoint's files do not match its manifest (or it has none); the message names the file."""
 
 
 @dataclass
@@ -244,3 +237,74 @@ def _crash_point_for_tests(step: int) -> None:
     """Fault injection for tests: ``PODS_CRASH_DURING_SAVE=N`` kills the process half-way through saving step N."""
     if os.environ.get("PODS_CRASH_DURING_SAVE") == str(step):
         os._exit(17)
+
+
+# ---------------------------------------------------------------------------------------------- resume
+def checkpoint_to_resume(accelerator, source: str | None, root: Path) -> Path | None:
+    """The verified checkpoint a run continues from (None: start afresh), agreed by every process.
+
+    ``source`` is ``resume_from``: None (a fresh run; an error if ``root`` already holds checkpoints),
+    ``"auto"`` (the newest intact checkpoint under ``root``, if any), a checkpoint folder or a run folder.
+    Folders left by a crash mid-save are removed first. The main process chooses and tells the others.
+    """
+    if accelerator.is_main_process:
+        remove_partial_checkpoints(root)
+    accelerator.wait_for_everyone()
+    if source is None:
+        if latest_checkpoint(root) is not None:
+            raise ConfigError(
+                f"output_dir: {root.parent} already holds checkpoints; continue it with resume_from: auto, "
+                "or choose another output_dir"
+            )
+        return None
+    choice: tuple[str | None, str | None] = (None, None)  # (folder, error)
+    if accelerator.is_main_process:
+        try:
+            folder = find_checkpoint(source, root)
+            choice = (str(folder) if folder else None, None)
+        except ConfigError as error:
+            choice = (None, str(error))
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        choice = tuple(broadcast_object_list(list(choice)))
+    if choice[1] is not None:
+        raise ConfigError(choice[1])
+    return Path(choice[0]) if choice[0] else None
+
+
+def find_checkpoint(source: str, root: Path) -> Path | None:
+    """The checkpoint ``resume_from: source`` names: an explicit checkpoint folder (verified), or the newest
+    intact one under ``root`` (``auto``) or under a run folder's ``checkpoints/``; None for ``auto`` in a
+    folder that never held one."""
+    path = Path(source)
+    if source != "auto" and (path / STATE_FILE).is_file():
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ConfigError(
+                f"resume_from: checkpoint {path} is damaged: {problem}; resume from another checkpoint "
+                f"(resume_from: auto picks the newest intact one in {path.parent.parent})"
+            )
+        return path
+    root = root if source == "auto" else path / "checkpoints"
+    found = newest_intact_checkpoint(root, warn=lambda text: print(f"pods: warning: {text}", file=sys.stderr))
+    if found is None and (source != "auto" or list_checkpoint_folders(root)):
+        raise ConfigError(
+            f"resume_from: no intact checkpoint in {root} (expected {root}/step-N with its {STATE_FILE} "
+            "and manifest.json); choose another output_dir to start afresh"
+        )
+    return found
+
+
+def resume_checkpoint(accelerator, folder: Path, scheduler: Any = None) -> TrainerState:
+    """:func:`load_checkpoint`, with any failure (a pickle that ``weights_only=True`` refuses, another model's
+    weights) turned into a ``ConfigError`` that names the folder."""
+    try:
+        return load_checkpoint(accelerator, folder, scheduler)
+    except Exception as error:
+        text = str(error).strip()
+        raise ConfigError(
+            f"resume_from: could not load checkpoint {folder} ({type(error).__name__}: "
+            f"{text.splitlines()[0] if text else 'no details'}); "
+            "only resume checkpoints you trust, written by this run's model and settings"
+        ) from error

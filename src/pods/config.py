@@ -22,6 +22,8 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
+from pods.errors import ConfigError
+
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 SCHEDULERS = ("constant", "cosine", "linear")
@@ -31,10 +33,6 @@ ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # auto: vLLM where it is installed and
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 
 EMBEDDED_MODEL = "embedded"
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the key and the fix."""
 
 
 @dataclass
@@ -183,13 +181,13 @@ class TrainConfig:
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.generation_batch_size >= 1, "generation_batch_size", "must be at least 1")
-        _choice(self.loss_type, LOSS_TYPES, "loss_type")
-        _choice(self.scale_rewards, SCALE_REWARDS, "scale_rewards")
-        _choice(self.lr_scheduler_type, SCHEDULERS, "lr_scheduler_type")
-        _choice(self.optimizer, OPTIMIZERS, "optimizer")
-        _choice(self.eval_protocol, EVAL_PROTOCOLS, "eval_protocol")
-        _choice(self.rollout_engine, ROLLOUT_ENGINES, "rollout_engine")
-        _choice(self.mixed_precision, PRECISIONS, "mixed_precision")
+        require_choice(self.loss_type, LOSS_TYPES, "loss_type")
+        require_choice(self.scale_rewards, SCALE_REWARDS, "scale_rewards")
+        require_choice(self.lr_scheduler_type, SCHEDULERS, "lr_scheduler_type")
+        require_choice(self.optimizer, OPTIMIZERS, "optimizer")
+        require_choice(self.eval_protocol, EVAL_PROTOCOLS, "eval_protocol")
+        require_choice(self.rollout_engine, ROLLOUT_ENGINES, "rollout_engine")
+        require_choice(self.mixed_precision, PRECISIONS, "mixed_precision")
         _require(
             0 < self.vllm_gpu_memory_utilization <= 1,
             "vllm_gpu_memory_utilization",
@@ -219,8 +217,8 @@ class TrainConfig:
             f"must be >= 1 (a cap below 1 would shrink every token's weight), got {self.vllm_importance_sampling_cap}",
         )
         if self.prompt_style is not None:
-            _choice(self.prompt_style, ("chat", "plain", "raw"), "prompt_style")
-        _choice(self.dtype, ("float32", "bfloat16", "float16", "auto"), "dtype")
+            require_choice(self.prompt_style, ("chat", "plain", "raw"), "prompt_style")
+        require_choice(self.dtype, ("float32", "bfloat16", "float16", "auto"), "dtype")
         _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
         _require(self.epsilon >= 0, "epsilon", f"must be >= 0, got {self.epsilon}")
         _require(self.num_iterations >= 1, "num_iterations", f"must be at least 1, got {self.num_iterations}")
@@ -298,21 +296,6 @@ class TrainConfig:
         m = self.num_generations_kept
         low = self.num_generations_min if self.num_generations_min is not None else m
         return low, self.num_generations_max if self.num_generations_max is not None else max(16 * m, low)
-
-    def check_names(self) -> None:
-        """Check the names that live in registries (rule, rewards, task); imports the registries."""
-        from pods.selection import available_rules
-
-        _choice(self.selection_rule, tuple(available_rules()), "selection_rule")
-        from pods.rewards import REWARD_FUNCTIONS
-
-        for name in self.reward_funcs or ():
-            _choice(name, tuple(REWARD_FUNCTIONS), "reward_funcs")
-        from pods.data import available_tasks
-
-        _choice(self.task, tuple(available_tasks()), "task")
-        if self.eval_task is not None:
-            _choice(self.eval_task, tuple(available_tasks()), "eval_task")
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
@@ -431,7 +414,8 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
-def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
+def require_choice(value: str, choices: tuple[str, ...], key: str) -> None:
+    """Raise ``ConfigError`` unless ``value`` is one of ``choices`` (the message lists them)."""
     if value not in choices:
         raise ConfigError(f"{key}: unknown value {value!r}; choose one of {', '.join(choices)}")
 

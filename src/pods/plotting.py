@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from pods.config import ConfigError
+from pods.errors import ConfigError
 from pods.metrics import read_jsonl
 
 

@@ -14,10 +14,6 @@ spans processes, and gradients are synchronised as usual.
 from __future__ import annotations
 
 import contextlib
-import math
-import resource
-import sys
-import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -27,30 +23,23 @@ import torch
 
 from pods.advantages import downsample, nanstd
 from pods.auto_generations import AutoGenerations
-from pods.checkpoint import (
-    STATE_FILE,
-    TrainerState,
-    checkpoint_problem,
-    latest_checkpoint,
-    list_checkpoint_folders,
-    load_checkpoint,
-    newest_intact_checkpoint,
-    remove_partial_checkpoints,
-    save_checkpoint,
-)
-from pods.config import ConfigError, TrainConfig
+from pods.checkpoint import STATE_FILE, TrainerState, checkpoint_to_resume, resume_checkpoint, save_checkpoint
+from pods.config import TrainConfig
+from pods.data.stream import PromptStream
+from pods.distributed import deepspeed_batch_settings, gather, synced_max, synced_mean
+from pods.errors import ConfigError, NonFiniteError
 from pods.evaluation import EvalResult, evaluate
 from pods.interrupts import StopRequests, TrainingStopped
-from pods.loss import completion_logprobs, mean_abs_difference, policy_loss, truncated_importance_weights
-from pods.metrics import JsonlLog, read_jsonl, reward_metrics
+from pods.metrics import JsonlLog, StepTimer, peak_memory_mb, read_jsonl, reward_metrics
 from pods.models import Policy, load_policy, load_reference
+from pods.optimization import build_optimizer, build_scheduler
 from pods.progress import TrainingProgress
+from pods.registries import check_names
 from pods.rollout import Rollouts, SamplingParams, build_engine, choose_engine
 from pods.scoring import RewardFunction, reward_name, score_completions
+from pods.update import NonFiniteGuard, policy_update
 
-
-class NonFiniteError(RuntimeError):
-    """``max_consecutive_skips`` optimizer steps in a row had a non-finite loss or gradient norm."""
+__all__ = ["NonFiniteError", "PODSTrainer", "TrainResult", "TrainingStopped", "train"]
 
 
 @dataclass
@@ -68,53 +57,6 @@ class TrainResult:
     @property
     def last_eval(self) -> dict[str, Any] | None:
         return self.evals[-1] if self.evals else None
-
-
-class PromptStream:
-    """The prompts of each step, as a pure function of the step: exact resume needs no data state.
-
-    Epoch e visits the rows in a permutation seeded by (seed, e); process r of W takes its own
-    ``prompts_per_step`` consecutive prompts of the step's global slice.
-    """
-
-    def __init__(self, rows: list[dict[str, Any]], prompts_per_step: int, seed: int, rank: int, world: int):
-        if not rows:
-            raise ConfigError(
-                "the training set is empty (check task, task_source, train_limit, max_prompt_length)"
-            )
-        self.rows, self.per_step, self.seed, self.rank, self.world = rows, prompts_per_step, seed, rank, world
-        self._orders: dict[int, list[int]] = {}
-
-    def batch(self, step: int) -> list[dict[str, Any]]:
-        first = (step * self.world + self.rank) * self.per_step
-        return [self.rows[self._index(position)] for position in range(first, first + self.per_step)]
-
-    def epoch(self, step: int) -> float:
-        return step * self.world * self.per_step / len(self.rows)
-
-    def _index(self, position: int) -> int:
-        epoch, offset = divmod(position, len(self.rows))
-        if epoch not in self._orders:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._orders = {epoch: torch.randperm(len(self.rows), generator=generator).tolist()}
-        return self._orders[epoch][offset]
-
-
-class StepTimer:
-    """Seconds spent in each phase of a step."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        start = time.perf_counter()
-        yield
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-    @property
-    def total(self) -> float:
-        return sum(self.seconds.values())
 
 
 class PODSTrainer:
@@ -135,7 +77,7 @@ class PODSTrainer:
 
         self.config = cfg = config
         if reward_funcs is None:
-            cfg.check_names()
+            check_names(cfg)
             from pods.rewards import get_reward_functions
 
             self.task = get_task(cfg.task)
@@ -197,8 +139,8 @@ class PODSTrainer:
         self.accuracy_fn = get_task(cfg.eval_task or cfg.task).accuracy_function()
 
         trainable = [p for p in self.policy.model.parameters() if p.requires_grad]
-        optimizer = self._make_optimizer(trainable)
-        self.scheduler = self._make_scheduler(optimizer)
+        optimizer = build_optimizer(cfg, trainable)
+        self.scheduler = build_scheduler(cfg, optimizer)
         deepspeed_batch_settings(acc, cfg.micro_batch_size, micro_batches, cfg.max_grad_norm)
         self.model, self.optimizer = acc.prepare(self.policy.model, optimizer)
         self.reference = None
@@ -250,7 +192,7 @@ class PODSTrainer:
         self.engine.sync_weights(acc.unwrap_model(self.model))  # the resumed weights, for vLLM
         if self.auto and state.step == 0:
             self.auto_log.append({"kind": "decision", **self.auto.first_decision().to_dict()})
-        stop = StopRequests(reduce_max=self._synced_max if acc.num_processes > 1 else None)
+        stop = StopRequests(reduce_max=(lambda v: int(synced_max(acc, v))) if acc.num_processes > 1 else None)
         progress = TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time)
         with stop, progress, self._trackers():
             progress.message(f"rollout engine: {cfg.rollout_engine} ({self.engine_reason})")
@@ -274,7 +216,7 @@ class PODSTrainer:
                         scale=cfg.scale_rewards,
                         eps=cfg.advantage_eps,
                         generator=self._selection_generator(state.step),
-                        gather=self._gather,
+                        gather=lambda values: gather(acc, values),
                     )
                     kept_rollouts = rollouts.select(chosen.rows)
                 with timer("update"):  # 5. the GRPO update on the kept rows only
@@ -283,7 +225,7 @@ class PODSTrainer:
                     self.engine.sync_weights(acc.unwrap_model(self.model))
 
                 state.step += 1
-                state.train_seconds += self._synced(timer.total)
+                state.train_seconds += synced_max(acc, timer.total)  # the slowest process sets the clock
                 metrics = self._step_metrics(
                     state, timer, rollouts, rewards, chosen.rewards, per_function, update
                 )
@@ -350,148 +292,19 @@ class PODSTrainer:
         return total.view(shape), {name: values.view(shape) for name, values in per_function.items()}
 
     def _update(self, state: TrainerState, batch: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
-        """Gradient steps on the kept rows: micro-batches accumulated, ``num_iterations`` passes."""
-        cfg, acc, model = self.config, self.accelerator, self.model
-        device = acc.device
-        prompt_ids, prompt_mask = batch.prompt_ids.to(device), batch.prompt_mask.to(device)
-        completion_ids, mask = batch.completion_ids.to(device), batch.completion_mask.to(device)
-        advantages = advantages.to(device=device, dtype=torch.float32)
-        rows, micro = completion_ids.shape[0], cfg.micro_batch_size
-        temperature = cfg.temperature if cfg.temperature > 0 else 1.0
-        # dapo divides by the tokens of the whole batch across processes; DDP averages gradients.
-        total_tokens = self._synced_sum(mask.sum().double()) / acc.num_processes
-
-        def logprobs_of(net: torch.nn.Module, part: slice) -> torch.Tensor:
-            return completion_logprobs(
-                net,
-                prompt_ids[part],
-                prompt_mask[part],
-                completion_ids[part],
-                mask[part],
-                temperature=temperature,
-            )
-
-        parts = [slice(start, start + micro) for start in range(0, rows, micro)]
-        sampling_logprobs = batch.sampling_logprobs
-        correct = cfg.vllm_importance_sampling_correction and sampling_logprobs is not None
-        # Old and reference log-probs: always in evaluation mode (no dropout), at every step. The first pass
-        # is on-policy (ratio exactly 1, as with num_iterations = 1); later passes use the old log-probs.
-        old_logprobs = ref_logprobs = None
-        model.eval()
-        if cfg.num_iterations > 1:
-            with torch.no_grad():
-                old_logprobs = torch.cat([logprobs_of(model, part) for part in parts])
-        if cfg.beta > 0:
-            # Under the policy's mixed precision: accelerate autocasts the prepared policy, not this copy.
-            with torch.no_grad(), acc.autocast(), self._reference() as reference:
-                ref_logprobs = torch.cat([logprobs_of(reference, part) for part in parts])
-
-        model.train()
-        statistics = {
-            "kl": "kl",
-            "clip_ratio/low_mean": "clip_low_fraction",
-            "clip_ratio/high_mean": "clip_high_fraction",
-            "clip_ratio/region_mean": "clip_fraction",
-        }
-        loss = 0.0
-        # Token-weighted sums of the statistics, and the token count: averages over tokens (all micro-batches,
-        # passes and processes), so they do not depend on micro_batch_size.
-        sums = torch.zeros(len(statistics) + 1, dtype=torch.float64)
-        grad_norms, finite, mismatch = [], True, []
-        sampler_weights: dict[int, torch.Tensor] = {}  # per micro-batch, from the first pass
-        for iteration in range(cfg.num_iterations):
-            for part in parts:
-                # accelerate syncs gradients (DDP / DeepSpeed / FSDP) and lets the optimizer step only on
-                # the last micro-batch of each pass; it divides the loss by the number of micro-batches,
-                # which our loss already accounts for (each part is its share of the batch loss).
-                with acc.accumulate(model):
-                    logprobs = logprobs_of(model, part)
-                    if sampling_logprobs is not None and part.start not in sampler_weights:
-                        # first pass: the trainer's log-probs before this update against the sampler's
-                        before = logprobs if old_logprobs is None else old_logprobs[part]
-                        sampler_weights[part.start] = truncated_importance_weights(
-                            before, sampling_logprobs[part], mask[part], cfg.vllm_importance_sampling_cap
-                        )
-                        mismatch.append(mean_abs_difference(before, sampling_logprobs[part], mask[part]))
-                    out = policy_loss(
-                        logprobs,
-                        advantages[part],
-                        mask[part],
-                        old_logprobs=None if iteration == 0 else old_logprobs[part],
-                        ref_logprobs=None if ref_logprobs is None else ref_logprobs[part],
-                        importance_weights=sampler_weights.get(part.start) if correct else None,
-                        epsilon=cfg.epsilon,
-                        epsilon_high=cfg.epsilon_high,
-                        beta=cfg.beta,
-                        loss_type=cfg.loss_type,
-                        total_sequences=rows,
-                        total_tokens=float(total_tokens),
-                        max_completion_length=cfg.max_completion_length,
-                    )
-                    acc.backward(out.loss * acc.gradient_accumulation_steps)
-                    finite = finite and math.isfinite(out.loss.item())
-                    if acc.sync_gradients:
-                        grad_norm = float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-                        grad_norms.append(grad_norm)
-                        # fp16: the GradScaler skips overflowing steps itself and lowers its scale.
-                        usable = acc.scaler is not None or self._step_is_finite(
-                            state, finite and math.isfinite(grad_norm)
-                        )
-                        if usable:
-                            self.optimizer.step()
-                            self.scheduler.step()
-                        finite = True
-                    self.optimizer.zero_grad(set_to_none=True)  # accelerate clears only after a sync
-                loss += out.loss.item() / cfg.num_iterations
-                tokens = out.num_tokens.item()
-                sums += torch.tensor(
-                    [getattr(out, a).item() * tokens for a in statistics.values()] + [tokens]
-                )
-        sums = self._synced_sum(sums.to(device)).cpu()
-        means = {name: float(sums[i] / max(float(sums[-1]), 1.0)) for i, name in enumerate(statistics)}
-        # TRL's names: how far the sampler's log-probs are from the trainer's, over all processes
-        if mismatch:
-            ratios = [
-                (w.sum() / mask[slice(s, s + micro)].sum().clamp_min(1)).item()
-                for s, w in sampler_weights.items()
-            ]
-            totals = torch.tensor(
-                [sum(mismatch), len(mismatch), sum(ratios), len(ratios)], dtype=torch.float64
-            )
-            totals = self._synced_sum(totals.to(device)).cpu()
-            means["sampling/sampling_logp_difference/mean"] = float(totals[0] / totals[1])
-            means["sampling/importance_sampling_ratio/mean"] = float(totals[2] / totals[3])
-        return {"loss": loss, **means, "grad_norm": sum(grad_norms) / len(grad_norms)}
-
-    def _step_is_finite(self, state: TrainerState, finite: bool) -> bool:
-        """The non-finite guard: a NaN/inf loss or gradient norm on any process skips the optimizer step
-        (weights, optimizer and scheduler unchanged); ``max_consecutive_skips`` in a row end the run."""
-        if self.accelerator.num_processes > 1:
-            finite = not self._synced_max(int(not finite))
-        if finite:
-            state.consecutive_skips = 0
-            return True
-        state.skipped_steps += 1
-        state.consecutive_skips += 1
-        limit = self.config.max_consecutive_skips
-        if state.consecutive_skips >= limit:
-            raise NonFiniteError(
-                f"{limit} optimizer steps in a row had a non-finite (NaN or infinite) loss or gradient norm, "
-                f"at training step {state.step + 1}; they were skipped, so the weights are those of the last "
-                f"good step and the checkpoints in {self.checkpoint_root} are intact. Lower learning_rate or "
-                "max_grad_norm, or train in float32 (mixed_precision: no); max_consecutive_skips sets this limit"
-            )
-        return False
-
-    @contextlib.contextmanager
-    def _reference(self):
-        """The KL reference: the base with the LoRA adapter disabled, or a frozen copy for full fine-tuning."""
-        if self.reference is not None:
-            yield self.reference
-        else:
-            unwrapped = self.accelerator.unwrap_model(self.model)
-            with unwrapped.disable_adapter():
-                yield unwrapped
+        """5. Gradient steps on the kept rows (:func:`pods.update.policy_update`)."""
+        guard = NonFiniteGuard(state, self.config.max_consecutive_skips, self.checkpoint_root)
+        return policy_update(
+            self.accelerator,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            advantages,
+            self.config,
+            guard,
+            reference=self.reference,
+        )
 
     # ------------------------------------------------------------------ metrics
     def _step_metrics(
@@ -505,11 +318,11 @@ class PODSTrainer:
         update: dict[str, float],
     ) -> dict[str, Any]:
         acc = self.accelerator
-        gather = lambda t: acc.gather(t.to(acc.device)).cpu()  # noqa: E731 - equal shapes on every process
-        all_rewards, kept = gather(rewards), gather(kept_rewards)
-        lengths = gather(rollouts.completion_mask.sum(dim=1).double())
-        truncated = gather(rollouts.truncated.double())
-        step_seconds = self._synced(timer.total)
+        everywhere = lambda t: gather(acc, t).cpu()  # noqa: E731 - equal shapes on every process
+        all_rewards, kept = everywhere(rewards), everywhere(kept_rewards)
+        lengths = everywhere(rollouts.completion_mask.sum(dim=1).double())
+        truncated = everywhere(rollouts.truncated.double())
+        step_seconds = synced_max(acc, timer.total)
         metrics: dict[str, Any] = {
             "step": state.step,
             "epoch": round(self.prompts.epoch(state.step), 4),
@@ -519,7 +332,7 @@ class PODSTrainer:
             "skipped_steps": state.skipped_steps,
         }
         for name, values in per_function.items():
-            values = gather(values)
+            values = everywhere(values)
             metrics[f"rewards/{name}/mean"] = values.nanmean().item()
             metrics[f"rewards/{name}/std"] = nanstd(values.reshape(1, -1), dim=1).item()
         metrics.update(
@@ -529,19 +342,19 @@ class PODSTrainer:
                 "completions/max_length": lengths.max().item(),
                 "completions/clipped_ratio": truncated.mean().item(),
                 "learning_rate": self.scheduler.get_last_lr()[0],
-                **{key: self._synced_mean(value) for key, value in update.items()},
+                **{key: synced_mean(acc, value) for key, value in update.items()},
             }
         )
         accuracy_name = reward_name(self.accuracy_fn)
         if accuracy_name in per_function:
             metrics["accuracy"] = (
-                (gather(torch.nan_to_num(per_function[accuracy_name])) > 0.5).double().mean().item()
+                (everywhere(torch.nan_to_num(per_function[accuracy_name])) > 0.5).double().mean().item()
             )
         for phase, seconds in timer.seconds.items():
-            metrics[f"seconds_{phase}"] = round(self._synced(seconds), 4)
+            metrics[f"seconds_{phase}"] = round(synced_max(acc, seconds), 4)
         metrics["seconds_step"] = round(step_seconds, 4)
         metrics["tokens_per_second"] = round(lengths.sum().item() / max(step_seconds, 1e-9), 1)
-        metrics["peak_memory_mb"] = round(_peak_memory_mb(), 1)
+        metrics["peak_memory_mb"] = round(peak_memory_mb(), 1)
         return metrics
 
     def _auto_step(
@@ -554,38 +367,14 @@ class PODSTrainer:
         """``num_generations: auto``: record this step's successes per group (the accuracy reward above
         0.5, else the summed reward above 0.5) and timings, over every process; re-decide n when due."""
         scores = torch.nan_to_num(per_function.get(reward_name(self.accuracy_fn), rewards))
-        successes = self._gather((scores > 0.5).sum(dim=1)).cpu().tolist()
-        generate = self._synced(sum(timer.seconds.get(k, 0.0) for k in ("generate", "score", "select")))
-        other = self._synced(timer.seconds.get("update", 0.0))
+        acc = self.accelerator
+        successes = gather(acc, (scores > 0.5).sum(dim=1)).cpu().tolist()
+        generate = synced_max(acc, sum(timer.seconds.get(k, 0.0) for k in ("generate", "score", "select")))
+        other = synced_max(acc, timer.seconds.get("update", 0.0))
         self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, generate, other))
         decision = self.auto.decide(state.step)
         if decision is not None:
             self.auto_log.append({"kind": "decision", **decision.to_dict()})
-
-    def _gather(self, values: torch.Tensor) -> torch.Tensor:
-        """Every process's ``values`` (equal shapes), concatenated along the first dimension."""
-        if self.accelerator.num_processes == 1:
-            return values
-        return self.accelerator.gather(values.to(self.accelerator.device)).to(values.device)
-
-    def _synced(self, seconds: float) -> float:
-        """The slowest process's value, so every process takes the same clock-based decisions."""
-        if self.accelerator.num_processes == 1:
-            return seconds
-        value = torch.tensor(seconds, dtype=torch.float64, device=self.accelerator.device)
-        return float(self.accelerator.reduce(value, "max"))
-
-    def _synced_max(self, value: int) -> int:
-        return int(self.accelerator.reduce(torch.tensor(value, device=self.accelerator.device), "max"))
-
-    def _synced_sum(self, value: torch.Tensor) -> torch.Tensor:
-        if self.accelerator.num_processes == 1:
-            return value
-        return self.accelerator.reduce(value.to(self.accelerator.device), "sum")
-
-    def _synced_mean(self, value: float) -> float:
-        total = self._synced_sum(torch.tensor(value, dtype=torch.float64))
-        return float(total) / self.accelerator.num_processes
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, state: TrainerState, progress: TrainingProgress) -> EvalResult | None:
@@ -659,33 +448,15 @@ class PODSTrainer:
         return by_steps or by_time
 
     def _resume_or_start(self) -> TrainerState:
-        source = self.config.resume_from
-        if self.accelerator.is_main_process:
-            remove_partial_checkpoints(self.checkpoint_root)
-        self.accelerator.wait_for_everyone()
-        if source is None:
-            if latest_checkpoint(self.checkpoint_root) is not None:
-                raise ConfigError(
-                    f"output_dir: {self.output_dir} already holds checkpoints; continue it with resume_from: auto, "
-                    "or choose another output_dir"
-                )
+        """The state to start from: a fresh one (logs emptied) or a checkpoint's (logs cut back to its step)."""
+        folder = checkpoint_to_resume(self.accelerator, self.config.resume_from, self.checkpoint_root)
+        if folder is None:
             self.metrics_log.reset()
             self.eval_log.reset()
-            self.auto_log.reset()
+            if self.config.resume_from is None:
+                self.auto_log.reset()
             return TrainerState()
-        folder = self._checkpoint_to_resume(source)
-        if folder is None:  # resume_from: auto in a folder without checkpoints: a fresh start
-            self.metrics_log.reset()
-            self.eval_log.reset()
-            return TrainerState()
-        try:
-            state = load_checkpoint(self.accelerator, folder, self.scheduler)
-        except Exception as error:  # e.g. a pickle that weights_only=True refuses, a mismatched model
-            raise ConfigError(
-                f"resume_from: could not load checkpoint {folder} ({type(error).__name__}: "
-                f"{str(error).strip().splitlines()[0] if str(error).strip() else 'no details'}); "
-                "only resume checkpoints you trust, written by this run's model and settings"
-            ) from error
+        state = resume_checkpoint(self.accelerator, folder, self.scheduler)
         self._saved = (state.step, folder)
         self.metrics_log.truncate_after(state.step)
         if self.auto is not None:  # replay n's observations and decisions up to the checkpoint
@@ -695,45 +466,6 @@ class PODSTrainer:
                 self.auto.restore([r for r in read_jsonl(self.auto_log.path) if r["step"] <= state.step])
         self.eval_log.truncate_after(state.step)
         return state
-
-    def _checkpoint_to_resume(self, source: str) -> Path | None:
-        """The verified checkpoint to resume from, chosen on the main process and shared with the others."""
-        acc = self.accelerator
-        choice: tuple[str | None, str | None] = (None, None)  # (folder, error)
-        if acc.is_main_process:
-            try:
-                folder = self._find_checkpoint(source)
-                choice = (str(folder) if folder else None, None)
-            except ConfigError as error:
-                choice = (None, str(error))
-        if acc.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
-            choice = tuple(broadcast_object_list(list(choice)))
-        if choice[1] is not None:
-            raise ConfigError(choice[1])
-        return Path(choice[0]) if choice[0] else None
-
-    def _find_checkpoint(self, source: str) -> Path | None:
-        path = Path(source)
-        if source != "auto" and (path / STATE_FILE).is_file():
-            problem = checkpoint_problem(path)
-            if problem is not None:
-                raise ConfigError(
-                    f"resume_from: checkpoint {path} is damaged: {problem}; resume from another checkpoint "
-                    f"(resume_from: auto picks the newest intact one in {path.parent.parent})"
-                )
-            return path
-        root = self.checkpoint_root if source == "auto" else path / "checkpoints"
-        found = newest_intact_checkpoint(
-            root, warn=lambda text: print(f"pods: warning: {text}", file=sys.stderr)
-        )
-        if found is None and (source != "auto" or list_checkpoint_folders(root)):
-            raise ConfigError(
-                f"resume_from: no intact checkpoint in {root} (expected {root}/step-N with its {STATE_FILE} "
-                "and manifest.json); choose another output_dir to start afresh"
-            )
-        return found
 
     # ------------------------------------------------------------------ set-up helpers
     def _finished(self, state: TrainerState) -> bool:
@@ -794,57 +526,6 @@ class PODSTrainer:
             limit=cfg.eval_limit,
             seed=cfg.seed,
         )
-
-    def _make_optimizer(self, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        cfg = self.config
-        kwargs = {
-            "lr": cfg.learning_rate,
-            "betas": (cfg.adam_beta1, cfg.adam_beta2),
-            "weight_decay": cfg.weight_decay,
-        }
-        if cfg.optimizer == "adamw_8bit":
-            try:
-                import bitsandbytes as bnb
-            except ImportError:
-                raise ConfigError(
-                    "optimizer: adamw_8bit needs bitsandbytes (pip install bitsandbytes)"
-                ) from None
-            return bnb.optim.AdamW8bit(parameters, **kwargs)
-        return torch.optim.AdamW(parameters, **kwargs)
-
-    def _make_scheduler(self, optimizer: torch.optim.Optimizer):
-        from transformers import get_scheduler
-
-        cfg = self.config
-        total = (cfg.max_steps or 1) * cfg.num_iterations
-        warmup = math.ceil(cfg.warmup_ratio * total) if cfg.max_steps else 0
-        name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
-        return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
-
-
-def deepspeed_batch_settings(
-    accelerator: Any, micro_batch_size: int, micro_batches: int, max_grad_norm: float
-) -> None:
-    """Give DeepSpeed our batch shape and clip before ``prepare``: we prepare no DataLoader, so accelerate
-    cannot fill its "auto" values, and DeepSpeed clips with its own ``gradient_clipping``, not ours."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return
-    plugin.deepspeed_config.update(
-        train_micro_batch_size_per_gpu=micro_batch_size,
-        gradient_accumulation_steps=micro_batches,
-        gradient_clipping=max_grad_norm,
-    )
-    plugin.deepspeed_config.pop("train_batch_size", None)  # DeepSpeed derives it from the two above
-
-
-def _peak_memory_mb() -> float:
-    """Peak accelerator memory since the last call (GPU), else the process's peak resident memory (CPU)."""
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated() / 2**20
-        torch.cuda.reset_peak_memory_stats()
-        return peak
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def train(config: TrainConfig, **kwargs: Any) -> TrainResult:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pods.data.arith import read_arith
+from pods.data.arith import ARITH_TASK
 from pods.data.common import HubUnavailableError, MissingDataError, TaskDataError
 from pods.data.gsm8k import read_gsm8k
 from pods.data.math import read_math, read_math500
@@ -33,15 +33,7 @@ _TASKS: dict[str, Task] = {
     "gsm8k": Task("gsm8k", read_gsm8k),
     "math500": Task("math500", read_math500, **_MATH),
     "math": Task("math", read_math, **_MATH),
-    # The embedded model was trained on "Question: ...\nAnswer:" and writes 20-odd tokens.
-    "arith": Task(
-        "arith",
-        read_arith,
-        reward_funcs=("accuracy",),
-        prompt_style="plain",
-        plain_template="Question: {question}\nAnswer:",
-        max_new_tokens=32,
-    ),
+    "arith": ARITH_TASK,
 }
 
 

@@ -17,6 +17,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from pods.data.task import Task
+
 NAMES_SHE = ("Mia", "Ava", "Emma", "Lily", "Zoe", "Nora", "Ruby", "Lucy")
 NAMES_HE = ("Sam", "Leo", "Max", "Ben", "Tom", "Jack", "Owen", "Noah")
 ITEMS = ("apples", "marbles", "stickers", "coins", "books", "pencils", "cards", "shells")
@@ -243,6 +245,15 @@ def load_arith(split: str = "train", **options: Any):
     ``prompt_style="plain"`` (the default) gives the text the shipped base model was trained on;
     ``"chat"`` and ``"raw"`` build the paper's prompts with :func:`pods.prompts.make_prompt`.
     """
-    from pods.data import get_task
+    return ARITH_TASK.load(split, **options)
 
-    return get_task("arith").load(split, **options)
+
+# The embedded model was trained on "Question: ...\nAnswer:" and writes 20-odd tokens.
+ARITH_TASK = Task(
+    "arith",
+    read_arith,
+    reward_funcs=("accuracy",),
+    prompt_style="plain",
+    plain_template=PROMPT_TEMPLATE,
+    max_new_tokens=32,
+)

@@ -1,34 +1,17 @@
-"""Experiments as commands: a grid over one or two configuration keys (or named arms), times seeds, each
-run trained under the same budget with evaluation off the clock, summarised with intervals over seeds.
-
-Layout of a sweep folder::
-
-    sweep.json                 what was asked (base config, arms, seeds, baseline)
-    <arm>/seed<k>/             one training run (config.yaml, metrics.jsonl, eval.jsonl, ...), done.json when finished
-    evaluations.csv            every evaluation of every run
-    summary.json               per arm: accuracy at the budget, best accuracy, time to target, speed-ups
-    accuracy_vs_time.png       mean curve per arm with a 95% band over seeds
-    accuracy_vs_<key>.png      accuracy at the budget against the swept value (grids only)
-
-Re-running the same command skips the finished runs and resumes an unfinished one from its latest
-checkpoint (or restarts it when it has none), so an interrupted sweep continues where it stopped.
-`pods compare` is this machinery with named arms (GRPO against PODS and the other rules).
-"""
+"""Summarising a sweep: each run's evaluations and timings, per-arm accuracies and speed-ups with 95% intervals
+over seeds (:mod:`pods.stats`), the evaluations as CSV, the plots, and the table ``pods sweep`` prints."""
 
 from __future__ import annotations
 
 import csv
-import itertools
 import json
-import re
-import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pods.config import ConfigError, TrainConfig, parse_overrides
-from pods.interrupts import TrainingStopped
+from pods.config import TrainConfig
+from pods.errors import ConfigError
 from pods.metrics import read_jsonl
 from pods.stats import (
     accuracy_standard_error,
@@ -38,21 +21,7 @@ from pods.stats import (
     smoothed_mean_curve,
     time_to_level,
 )
-
-SWEEP_SETS = ("output_dir", "seed", "resume_from")  # keys the sweep sets for every run itself
-IGNORED_WHEN_MATCHING = ("output_dir", "resume_from", "progress")
-
-
-@dataclass
-class Arm:
-    """One setting of the experiment: a name and the configuration keys it changes."""
-
-    name: str
-    overrides: dict[str, Any]
-
-    @property
-    def folder(self) -> str:
-        return re.sub(r"[^A-Za-z0-9._=+-]", "_", self.name.replace(",", "+"))
+from pods.sweep.plan import Arm, resolve_baselines
 
 
 @dataclass
@@ -72,222 +41,6 @@ class SeedRun:
     seconds_update: float
     mean_num_generations: float
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-class SweepInterrupted(Exception):
-    """A run was stopped (signal or Ctrl-C); finished runs are kept and the message says how to go on."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-# ---------------------------------------------------------------------------------------------- arms
-def parse_grid(spec: str) -> tuple[str, list[str]]:
-    """``"num_generations=4,8,16"`` -> ``("num_generations", ["4", "8", "16"])`` (values as written)."""
-    key, sep, values = spec.partition("=")
-    if not sep or not key.strip() or not values.strip():
-        raise ConfigError(
-            f"--grid {spec!r}: write KEY=VALUE1,VALUE2,... (e.g. --grid num_generations=4,8,16)"
-        )
-    return key.strip().replace("-", "_"), [v.strip() for v in values.split(",") if v.strip()]
-
-
-def _value(key: str, raw: str) -> Any:
-    """A value as the command line reads it (YAML, plus numbers such as 1e-4)."""
-    return parse_overrides([f"{key}={raw}"])[key]
-
-
-def _parse_settings(body: str) -> dict[str, Any] | None:
-    """``"KEY=VALUE,KEY=VALUE"`` -> ``{key: value}`` (values as the command line reads them), or None when
-    it is not of that form."""
-    pairs = [item.partition("=") for item in body.split(",") if item.strip()]
-    if not pairs or any(not eq for _, eq, _ in pairs):
-        return None
-    keys = [(k.strip().replace("-", "_"), v.strip()) for k, _, v in pairs]
-    return {key: _value(key, raw) for key, raw in keys}
-
-
-def parse_arm(spec: str) -> Arm:
-    """``"grpo:num_generations=4,selection_rule=all"`` -> a named arm with those keys."""
-    name, sep, body = spec.partition(":")
-    settings = _parse_settings(body)
-    if not sep or not name.strip() or settings is None:
-        raise ConfigError(
-            f"--arm {spec!r}: write NAME:KEY=VALUE,KEY=VALUE (e.g. --arm grpo:num_generations=4,selection_rule=all)"
-        )
-    return Arm(name.strip(), settings)
-
-
-def grid_arms(grid: Sequence[tuple[str, list[str]]]) -> list[Arm]:
-    """The cartesian product of one or two keys' values (as written), named ``key=value[,key=value]``."""
-    if len(grid) > 2:
-        raise ConfigError("--grid: at most two keys (a sweep over more is better split into several)")
-    keys = [key for key, _ in grid]
-    arms = []
-    for combo in itertools.product(*(values for _, values in grid)):
-        pairs = list(zip(keys, combo, strict=True))
-        arms.append(Arm(",".join(f"{k}={v}" for k, v in pairs), {k: _value(k, v) for k, v in pairs}))
-    return arms
-
-
-def resolve_baselines(arms: Sequence[Arm], baseline: str) -> dict[str, str]:
-    """Each arm's baseline arm. ``baseline`` is an arm's name (one baseline for all), or ``KEY=VALUE[,...]``
-    naming some of the swept keys: each arm is then compared with the arm that has those values and the
-    arm's own values of the other keys (in a learning-rate x n grid, ``num_generations=4`` compares each n
-    with n = 4 at the same learning rate)."""
-    names = [arm.name for arm in arms]
-    if baseline in names:
-        return {name: baseline for name in names}
-    wanted = _parse_settings(baseline)
-    if wanted is None:
-        raise ConfigError(f"--baseline {baseline!r} is not an arm; arms: {', '.join(names)}")
-    by_keys = {tuple(sorted(arm.overrides.items(), key=str)): arm.name for arm in arms}
-    mapping = {}
-    for arm in arms:
-        match = by_keys.get(tuple(sorted({**arm.overrides, **wanted}.items(), key=str)))
-        if match is not None:
-            mapping[arm.name] = match
-    if not mapping:
-        raise ConfigError(
-            f"--baseline {baseline!r} is not an arm and no arm has those values; arms: {', '.join(names)}"
-        )
-    return mapping
-
-
-def arm_config(base: TrainConfig, arm: Arm, seed: int, run_dir: Path, resume: bool) -> TrainConfig:
-    """The base configuration with the arm's keys, the seed, its run folder, and evaluation at the start."""
-    for key in arm.overrides:
-        if key in SWEEP_SETS:
-            raise ConfigError(f"arm {arm.name!r}: the sweep sets {key} itself; give seeds with --seeds")
-    values = {**base.to_dict(), **arm.overrides}
-    values.update(seed=seed, output_dir=str(run_dir), resume_from="auto" if resume else None)
-    values["eval_at_start"] = True  # every curve starts at the base model's accuracy
-    try:
-        return TrainConfig.from_dict(values)
-    except ConfigError as error:
-        raise ConfigError(f"arm {arm.name!r}: {error}") from None
-
-
-# ---------------------------------------------------------------------------------------------- running
-def run_sweep(
-    base: TrainConfig,
-    arms: list[Arm],
-    seeds: list[int],
-    output_dir: Path,
-    *,
-    baseline: str | None = None,
-    target: float | None = None,
-    swept_keys: Sequence[str] = (),
-    resume_command: str | None = None,
-    trainer_kwargs: dict[str, Any] | None = None,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """Train every arm for every seed (one after the other, so each has the whole machine) and summarise.
-
-    ``trainer_kwargs`` go to every :class:`pods.trainer.PODSTrainer` (your own ``reward_funcs``,
-    ``train_dataset``, ``eval_dataset``).
-
-    Finished runs (``done.json``) are reused when their settings match; an unfinished one is resumed.
-    Raises :class:`SweepInterrupted` (after writing the summary of what finished) when a run is stopped.
-    """
-    from pods.trainer import PODSTrainer
-
-    names = [arm.name for arm in arms]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"arms: names must be distinct, got {names}")
-    if not arms or not seeds:
-        raise ConfigError("a sweep needs at least one arm and one seed")
-    baseline = baseline or arms[0].name
-    resolve_baselines(arms, baseline)  # a baseline that names no arm fails here, before any training
-    for arm in arms:  # check every arm's settings before hours of training
-        for seed in seeds:
-            arm_config(base, arm, seed, output_dir / arm.folder / f"seed{seed}", resume=False)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "sweep.json").write_text(
-        json.dumps(
-            {
-                "base": base.to_dict(),
-                "arms": [{"name": a.name, "overrides": a.overrides} for a in arms],
-                "seeds": seeds,
-                "baseline": baseline,
-                "target": target,
-                "swept_keys": list(swept_keys),
-            },
-            indent=2,
-        )
-    )
-    runs: list[SeedRun] = []
-    jobs = [(seed, arm) for seed in seeds for arm in arms]
-    for index, (seed, arm) in enumerate(jobs):
-        run_dir = output_dir / arm.folder / f"seed{seed}"
-        prefix = f"[{index + 1}/{len(jobs)}] {arm.name}, seed {seed}"
-        if (run_dir / "done.json").is_file():
-            _check_same_settings(run_dir, arm_config(base, arm, seed, run_dir, resume=False))
-            runs.append(load_seed_run(arm.name, seed, run_dir))
-            log(f"{prefix}: already finished, reused ({run_dir})")
-            continue
-        resume = _prepare_run_dir(run_dir)
-        config = arm_config(base, arm, seed, run_dir, resume)
-        if resume:
-            _check_same_settings(run_dir, config)
-        log(
-            f"{prefix}: n={config.num_generations}, m={config.num_generations_kept}, rule={config.selection_rule}, "
-            f"{_budget(config)}{' (resuming)' if resume else ''} -> {run_dir}"
-        )
-        try:
-            result = PODSTrainer(config, **(trainer_kwargs or {})).train()
-        except (TrainingStopped, KeyboardInterrupt) as stop:  # a graceful stop, or a second Ctrl-C
-            finished = summarise_and_write(runs, arms, baseline, target, swept_keys, output_dir, base)
-            signal_name = stop.signal_name if isinstance(stop, TrainingStopped) else "SIGINT"
-            again = resume_command or f"the same command with the same output folder ({output_dir})"
-            raise SweepInterrupted(
-                f"stopped by {signal_name} during {arm.name}, seed {seed}; {len(runs)} of {len(jobs)} runs are "
-                f"finished and kept{' (summary written)' if finished else ''}. To continue, run {again}: "
-                "finished runs are skipped and this one resumes from its latest checkpoint.",
-                exit_code=stop.exit_code if isinstance(stop, TrainingStopped) else 130,
-            ) from None
-        (run_dir / "done.json").write_text(
-            json.dumps({"steps": result.steps, "train_seconds": result.train_seconds})
-        )
-        runs.append(load_seed_run(arm.name, seed, run_dir))
-        log(f"    best accuracy {max(runs[-1].accuracy):.1%} after {result.steps} steps")
-    summary = summarise_and_write(runs, arms, baseline, target, swept_keys, output_dir, base)
-    assert summary is not None
-    return summary
-
-
-def _prepare_run_dir(run_dir: Path) -> bool:
-    """Whether an unfinished run can resume from a checkpoint; a run with none starts again from scratch."""
-    from pods.checkpoint import latest_checkpoint
-
-    if latest_checkpoint(run_dir / "checkpoints") is not None:
-        return True
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # a run stopped before its first checkpoint: nothing to keep
-    return False
-
-
-def _check_same_settings(run_dir: Path, wanted: TrainConfig) -> None:
-    """A reused run must have been trained with the settings asked for now."""
-    import yaml
-
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        return
-    saved = yaml.safe_load(path.read_text()) or {}
-    differ = [
-        f"{key}: {saved.get(key)!r} then, {value!r} now"
-        for key, value in wanted.to_dict().items()
-        if key not in IGNORED_WHEN_MATCHING
-        and saved.get(key) != value
-        and not (key == "rollout_engine" and value == "auto")  # config.yaml holds what auto chose
-    ]
-    if differ:
-        raise ConfigError(
-            f"{run_dir} was trained with other settings ({'; '.join(differ[:4])}); "
-            "choose another --output_dir for a different experiment"
-        )
 
 
 def load_seed_run(arm: str, seed: int, run_dir: Path) -> SeedRun:
@@ -313,7 +66,6 @@ def load_seed_run(arm: str, seed: int, run_dir: Path) -> SeedRun:
     )
 
 
-# ---------------------------------------------------------------------------------------------- summary
 def summarise(
     runs: list[SeedRun], arms: list[Arm], baseline: str, target: float | None = None
 ) -> dict[str, Any]:
@@ -487,7 +239,7 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def _budget(config: TrainConfig) -> str:
+def budget_text(config: TrainConfig) -> str:
     parts = [f"{config.max_time:.0f} s of training"] if config.max_time else []
     return " or ".join([*parts, f"{config.max_steps} steps"] if config.max_steps else parts)
 
