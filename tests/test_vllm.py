@@ -200,6 +200,27 @@ def test_sampling_is_seeded_by_torch_and_reports_the_sampling_logprobs(embedded)
     )
 
 
+def test_with_top_k_top_p_vllm_reports_the_renormalised_log_probs_the_trainer_can_recompute(embedded) -> None:
+    """vLLM's processed log-probs are those of the truncated, renormalised distribution: the trainer's
+    log-probs under the same truncation match them (the mismatch diagnostic), the full ones are smaller
+    (so TRL's importance weights are <= 1 there)."""
+    model, _, engine = embedded
+    sampling = SamplingParams(max_new_tokens=24, temperature=1.5, top_k=6, top_p=0.7)
+    torch.manual_seed(3)
+    rollouts = engine.generate(PROMPTS, 8, sampling)
+    mask = rollouts.completion_mask.bool()
+    with torch.no_grad():
+        truncated = completion_logprobs(
+            model, rollouts.prompt_ids, rollouts.prompt_mask, rollouts.completion_ids, rollouts.completion_mask,
+            temperature=1.5, top_k=6, top_p=0.7,
+        )  # fmt: skip
+    full = trainer_logprobs(model, rollouts, temperature=1.5)
+    sampler = rollouts.sampling_logprobs
+    assert (truncated[mask] - sampler[mask]).abs().max() < 1e-3
+    gap = sampler[mask] - full[mask]
+    assert (gap > -1e-3).all() and gap.mean() > 1e-2  # weights exp(full - sampler) <= 1, some well below
+
+
 def test_stop_strings_match_hf(tiny_vllm_model_dir: Path) -> None:
     """Its own engine (which closes the module's: one per process), on the tiny BPE model (HF's stop-string matcher cannot handle the embedded word-level tokenizer)."""
     from pods.models import load_tokenizer
@@ -281,6 +302,22 @@ def test_trainer_with_vllm_resumes_exactly_and_records_the_engine(
     # the sampler/trainer mismatch is logged each step, and small: vLLM samples the trainer's weights
     assert all(0 <= row["sampling/sampling_logp_difference/mean"] < 1e-3 for row in metrics)
     assert all(row["seconds_sync"] > 0 for row in metrics)
+
+
+@pytest.mark.slow
+def test_lora_dropout_stays_out_of_the_importance_weights(tiny_vllm_model_dir: Path, tmp_path: Path) -> None:
+    """The "before" log-probs of the weights come from an evaluation-mode forward: with lora_dropout 0.5
+    the weights are 1 and the logged mismatch is float noise (from the train-mode forward they would
+    carry the dropout's noise)."""
+    from pods.metrics import read_jsonl
+
+    run_trainer(
+        tiny_vllm_model_dir, tmp_path, max_steps=2, save_every_steps=None, lora_r=8, lora_dropout=0.5,
+        learning_rate=3e-2,
+    )  # fmt: skip
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert all(abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for row in metrics)
+    assert all(row["sampling/sampling_logp_difference/mean"] < 1e-3 for row in metrics)
 
 
 @pytest.mark.parametrize("requested", ["hf", "auto"])

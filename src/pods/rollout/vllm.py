@@ -198,7 +198,9 @@ class VLLMEngine:
             "max_num_batched_tokens": max_num_batched_tokens,
             "enable_sleep_mode": enable_sleep_mode,
             "generation_config": "vllm",  # no sampling defaults from the model's generation_config
-            "logprobs_mode": "processed_logprobs",  # after temperature: what the trainer recomputes
+            # the log-probs of the distribution actually sampled: after temperature, and with top-k / top-p
+            # renormalised over the kept tokens (the trainer's diagnostic compares like with like)
+            "logprobs_mode": "processed_logprobs",
             "async_scheduling": False,
         }
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under accelerate / torchrun: one engine per process
