@@ -218,14 +218,20 @@ def test_presets_are_the_papers_settings() -> None:
 
 @pytest.mark.slow
 def test_eval_on_a_lora_checkpoint(tiny_run_config: Path, tmp_path: Path, shared_data: Path) -> None:
+    import torch
+
     from pods.cli import load_train_config
+    from pods.cli.evaluate import load_model_for_eval
     from pods.trainer import PODSTrainer
 
     overrides = ["--output_dir", str(tmp_path / "lora"), "--lora_r", "4", "--max_steps", "1"]
-    overrides += ["--eval_every_seconds", "null", "--eval_at_start", "false"]
+    overrides += ["--eval_every_seconds", "null", "--eval_at_start", "false", "--dtype", "bfloat16"]
     PODSTrainer(load_train_config(str(tiny_run_config), overrides)).train()
     adapter = next((tmp_path / "lora" / "checkpoints").glob("step-*")) / "model"
     assert (adapter / "adapter_config.json").is_file()  # the export is the adapter, not a full copy
+    # the base is loaded in the run's dtype (the tiny model's own checkpoint is float32)
+    base = load_model_for_eval(str(adapter)).get_base_model()
+    assert base.model.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.bfloat16
     report = tmp_path / "lora.json"
     args = [
         "eval",

@@ -9,7 +9,8 @@ import torch
 
 from pods.config import EMBEDDED_MODEL, ConfigError, TrainConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The configuration's dtype names.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -61,7 +62,7 @@ def load_policy(config: TrainConfig, device: torch.device | None = None) -> Poli
 
     kwargs: dict = {}
     if config.dtype != "auto":
-        kwargs["dtype"] = _DTYPES[config.dtype]
+        kwargs["dtype"] = DTYPES[config.dtype]
     if config.load_in_4bit:
         kwargs["quantization_config"] = _four_bit_config(config)
     try:
@@ -109,7 +110,7 @@ def load_reference(config: TrainConfig) -> torch.nn.Module:
     """A frozen copy of the starting weights for the KL term (full fine-tuning only; LoRA disables its adapter)."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": _DTYPES[config.dtype]} if config.dtype != "auto" else {}
+    kwargs = {"dtype": DTYPES[config.dtype]} if config.dtype != "auto" else {}
     reference = AutoModelForCausalLM.from_pretrained(resolve_model_path(config.model), **kwargs)
     reference.requires_grad_(False)
     return reference.eval()
@@ -132,7 +133,7 @@ def _four_bit_config(config: TrainConfig):
             f"load_in_4bit: bitsandbytes {bitsandbytes.__version__} cannot quantize to 4-bit on {device} "
             f"({type(error).__name__}); install bitsandbytes >= 0.48, or set load_in_4bit: false"
         ) from None
-    compute = _DTYPES.get(config.dtype, torch.bfloat16)
+    compute = DTYPES.get(config.dtype, torch.bfloat16)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
