@@ -289,6 +289,63 @@ def test_a_deepspeed_zero2_step_uses_our_batch_shape_and_clipping(
         torch.testing.assert_close(zero2[key], value, rtol=1e-4, atol=1e-6, msg=key)
 
 
+def deepspeed_launch(model_dir: Path, output: Path, settings: dict, stage: int = 2):
+    """The command and environment that run tiny_run.py in one CPU process under DeepSpeed ZeRO-``stage``."""
+    command, env = two_process_launch(model_dir, output, settings)
+    at = command.index("--multi_gpu")
+    command[at : at + 3] = ["--use_deepspeed", "--zero_stage", str(stage), "--num_processes", "1"]
+    env.pop("ACCELERATE_USE_CPU")  # DeepSpeed picks its CPU accelerator itself (no GPU visible)
+    return command, env
+
+
+@pytest.mark.slow
+def test_a_non_finite_step_under_deepspeed_zero2_is_skipped(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """DeepSpeed steps inside backward: a NaN loss (injected into the 3rd training forward, step 2 of 2)
+    must leave the weights at step 1's, counted as a skipped step, with the scheduler not advanced."""
+    pytest.importorskip("deepspeed")
+    settings = {"max_steps": 2, "lr_scheduler_type": "linear"}
+    command, env = deepspeed_launch(tiny_model_dir, tmp_path / "zero2", settings)
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**env, "TINY_RUN_NAN_FORWARDS": "3"}
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "distributed: DEEPSPEED" in result.stdout
+    one_step = run_script(tiny_model_dir, tmp_path / "plain", {**settings, "max_steps": 1})
+    assert one_step.returncode == 0, one_step.stderr[-3000:]
+    guarded = torch.load(tmp_path / "zero2" / "weights-rank0.pt")
+    reference = torch.load(tmp_path / "plain" / "weights-rank0.pt")
+    for key, value in reference.items():
+        torch.testing.assert_close(guarded[key], value, rtol=1e-4, atol=1e-6, msg=key)
+    rows = read_jsonl(tmp_path / "zero2" / "metrics.jsonl")
+    assert [row["skipped_steps"] for row in rows] == [0, 1]
+    assert rows[0]["learning_rate"] == rows[1]["learning_rate"]  # the schedule did not move either
+
+
+@pytest.mark.slow
+def test_under_deepspeed_zero3_the_exported_model_holds_the_full_trained_weights(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """ZeRO-3 partitions every parameter (each process holds an empty local shard): the checkpoint's model/
+    folder is written from the gathered weights, equal to a plain run's after the same steps."""
+    pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+
+    settings = {"max_steps": 2}
+    command, env = deepspeed_launch(tiny_model_dir, tmp_path / "zero3", settings, stage=3)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plain = run_script(tiny_model_dir, tmp_path / "plain", settings)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    exported = load_file(
+        next((tmp_path / "zero3" / "checkpoints").glob("step-*")) / "model" / "model.safetensors"
+    )
+    reference = torch.load(tmp_path / "plain" / "weights-rank0.pt")
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(reference[k], initial[k]) for k in initial)  # the steps moved the weights
+    for key in initial:
+        torch.testing.assert_close(exported[key], reference[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
 @pytest.mark.slow
 def test_two_processes_keep_identical_parameters(tiny_model_dir: Path, tmp_path: Path) -> None:
     command, env = two_process_launch(tiny_model_dir, tmp_path, {"max_steps": 2, "scale_rewards": "batch"})

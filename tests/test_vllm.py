@@ -358,15 +358,16 @@ def test_two_processes_each_run_an_engine_in_sync_with_the_shared_weights(
 
 
 @pytest.mark.slow
-def test_a_zero3_partitioned_model_is_gathered_into_the_engine(tiny_vllm_model_dir: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_zero3_partitioned_model_is_gathered_into_the_engine(tiny_vllm_model_dir: Path, lora: bool) -> None:
     """DeepSpeed ZeRO-3 on the CPU (one process): every parameter is an empty local shard; after an AdamW
-    step, sync_weights gathers each in turn and the engine's greedy completions equal HF generate's on
-    the full updated weights."""
+    step, sync_weights gathers each layer in turn (with LoRA: its base and adapter matrices together) and
+    the engine's greedy completions equal HF generate's on the full updated weights."""
     pytest.importorskip("deepspeed")
     script = Path(__file__).parent / "scripts" / "zero3_vllm.py"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     result = subprocess.run(
-        [sys.executable, str(script), str(tiny_vllm_model_dir)],
+        [sys.executable, str(script), str(tiny_vllm_model_dir), *(["--lora"] if lora else [])],
         capture_output=True,
         text=True,
         timeout=600,
@@ -374,6 +375,10 @@ def test_a_zero3_partitioned_model_is_gathered_into_the_engine(tiny_vllm_model_d
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.split(" ")[0].isupper())
-    parameters = len(list(AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir).parameters()))
-    assert lines["PARTITIONED"] == str(parameters)
+    model = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    assert lines["PARTITIONED"] == str(len(list(model.parameters())))
     assert lines["CHANGED"] == "True" and lines["SAME"] == "True"

@@ -26,7 +26,14 @@ from pods.auto_generations import AutoGenerations
 from pods.checkpoint import STATE_FILE, TrainerState, checkpoint_to_resume, resume_checkpoint, save_checkpoint
 from pods.config import TrainConfig
 from pods.data.stream import PromptStream
-from pods.distributed import deepspeed_batch_settings, gather, synced_max, synced_mean
+from pods.distributed import (
+    deepspeed_batch_settings,
+    deepspeed_guards_non_finite_steps,
+    exported_state_dict,
+    gather,
+    synced_max,
+    synced_mean,
+)
 from pods.errors import ConfigError, NonFiniteError
 from pods.evaluation import EvalResult, evaluate
 from pods.interrupts import StopRequests, TrainingStopped
@@ -139,10 +146,11 @@ class PODSTrainer:
         self.accuracy_fn = get_task(cfg.eval_task or cfg.task).accuracy_function()
 
         trainable = [p for p in self.policy.model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(cfg, trainable)
+        optimizer = build_optimizer(cfg, trainable, deepspeed=acc.state.deepspeed_plugin is not None)
         self.scheduler = build_scheduler(cfg, optimizer)
         deepspeed_batch_settings(acc, cfg.micro_batch_size, micro_batches, cfg.max_grad_norm)
         self.model, self.optimizer = acc.prepare(self.policy.model, optimizer)
+        deepspeed_guards_non_finite_steps(self.model)
         self.reference = None
         if cfg.beta > 0 and not self.policy.is_lora:
             self.reference = load_reference(cfg).to(acc.device)
@@ -421,20 +429,22 @@ class PODSTrainer:
         if self._saved is not None and self._saved[0] == state.step:
             return self._saved[1]  # already saved (or resumed from) at this step
         state.last_save_seconds = state.train_seconds
+        weights = exported_state_dict(self.accelerator, self.model)  # every process: gathers under ZeRO-3
         folder = save_checkpoint(
             self.accelerator,
             self.checkpoint_root,
             state,
             self.config.save_total_limit,
-            export=self._export,
+            export=lambda folder: self._export(folder, weights),
             scheduler=self.scheduler,
         )
         self._saved = (state.step, folder)
         return folder
 
-    def _export(self, folder: Path) -> None:
-        """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``."""
-        self.accelerator.unwrap_model(self.model).save_pretrained(folder)
+    def _export(self, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``; ``weights``
+        are the gathered ones under ZeRO-3 (peft keeps the adapter's out of a full state dict itself)."""
+        self.accelerator.unwrap_model(self.model).save_pretrained(folder, state_dict=weights)
         self.tokenizer.save_pretrained(folder)
 
     def _save_due(self, state: TrainerState) -> bool:

@@ -20,7 +20,7 @@ import torch
 
 from pods.checkpoint import TrainerState
 from pods.config import TrainConfig
-from pods.distributed import synced_any, synced_sum
+from pods.distributed import step_was_applied, synced_any, synced_sum
 from pods.errors import NonFiniteError
 from pods.loss import completion_logprobs, mean_abs_difference, policy_loss, truncated_importance_weights
 from pods.rollout import Rollouts
@@ -174,14 +174,18 @@ def policy_update(
                     total_tokens=float(total_tokens),
                     max_completion_length=cfg.max_completion_length,
                 )
-                acc.backward(out.loss * acc.gradient_accumulation_steps)
+                # The loss is checked before backward: under DeepSpeed the optimizer steps inside it.
                 finite = finite and math.isfinite(out.loss.item())
+                acc.backward(out.loss * acc.gradient_accumulation_steps)
                 if acc.sync_gradients:
                     grad_norm = float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                     grad_norms.append(grad_norm)
+                    # DeepSpeed has already stepped, or skipped a step with NaN/inf gradients itself (see
+                    # pods.distributed.deepspeed_guards_non_finite_steps); its optimizer.step() is a no-op.
+                    applied = step_was_applied(model)
                     # fp16: the GradScaler skips overflowing steps itself and lowers its scale.
                     usable = acc.scaler is not None or guard.allows_step(
-                        acc, finite and math.isfinite(grad_norm)
+                        acc, finite and applied and math.isfinite(grad_norm)
                     )
                     if usable:
                         optimizer.step()

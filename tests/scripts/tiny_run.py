@@ -55,6 +55,9 @@ class RecordingTrainer(PODSTrainer):
         super().__init__(*args, **kwargs)
         self.scored: list[dict] = []  # per step: the texts and summed rewards of all n rollouts
         self.updates: list[dict] = []  # per step: the texts and advantages of the rows the update used
+        if "TINY_RUN_NAN_FORWARDS" in os.environ:  # e.g. "3": the 3rd training forward gives NaN logits
+            poisoned = {int(call) for call in os.environ["TINY_RUN_NAN_FORWARDS"].split(",")}
+            self.accelerator.unwrap_model(self.model).lm_head.register_forward_hook(nan_on(poisoned))
 
     def _score(self, batch, rollouts):
         if "TINY_RUN_REWARD_SLEEP" in os.environ:  # a scoring phase long enough to signal mid-step
@@ -67,6 +70,19 @@ class RecordingTrainer(PODSTrainer):
     def _update(self, state, batch, advantages):
         self.updates.append({"texts": list(batch.texts), "advantages": advantages.tolist()})
         return super()._update(state, batch, advantages)
+
+
+def nan_on(calls: set[int]):
+    """A forward hook that makes the output NaN on the given training forwards (1-based, with gradients)."""
+    counter = [0]
+
+    def hook(module, inputs, output):
+        if not torch.is_grad_enabled():
+            return None  # generation, evaluation and the no-grad log-prob forwards stay intact
+        counter[0] += 1
+        return output * float("nan") if counter[0] in calls else None
+
+    return hook
 
 
 def tiny_dataset(size: int = 64) -> Dataset:
