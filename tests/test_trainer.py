@@ -230,6 +230,43 @@ def test_resume_after_a_crash_is_exact(tiny_model_dir: Path, tmp_path: Path) -> 
     assert straight_rows == resumed_rows
 
 
+@pytest.mark.slow
+def test_a_4bit_lora_run_resumes_exactly_from_adapter_only_checkpoints(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """QLoRA (bitsandbytes' CPU backend): checkpoints hold the adapter (plus optimizer, scheduler, RNG), the
+    base is named and hashed in the manifest; a run killed mid-save and resumed ends as a straight run."""
+    pytest.importorskip("bitsandbytes")
+    from safetensors.torch import load_file
+
+    settings = {"max_steps": 4, "save_every_steps": 2, "load_in_4bit": True, "lora_r": 4, "lora_alpha": 8}
+    straight = run_script(tiny_model_dir, tmp_path / "straight", settings)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    crashed = run_script(tiny_model_dir, tmp_path / "resumed", settings, env={"PODS_CRASH_DURING_SAVE": "4"})
+    assert crashed.returncode == 17, crashed.stderr[-3000:]
+    [checkpoint] = list_checkpoints(tmp_path / "resumed" / "checkpoints")
+    saved = load_file(checkpoint / "model.safetensors")
+    assert saved and all("lora_" in name for name in saved)  # no 4-bit base weights, no quantization state
+    base = json.loads((checkpoint / "manifest.json").read_text())["base_model"]
+    assert base["name"] == str(tiny_model_dir) and len(base["sha256"]) == 64
+
+    resumed = run_script(tiny_model_dir, tmp_path / "resumed", {**settings, "resume_from": "auto"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = torch.load(tmp_path / "straight" / "weights-rank0.pt")
+    b = torch.load(tmp_path / "resumed" / "weights-rank0.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert learning_metrics(tmp_path / "straight" / "metrics.jsonl") == learning_metrics(
+        tmp_path / "resumed" / "metrics.jsonl"
+    )
+
+    # the adapter onto another base (same architecture, other weights): refused, naming both
+    from pods.testing import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other-base", seed=1)
+    with pytest.raises(ConfigError, match="trained on the base"):
+        run_tiny(other, tmp_path / "other", **{**settings, "max_steps": 6, "resume_from": str(checkpoint)})
+
+
 def two_process_launch(model_dir: Path, output: Path, settings: dict) -> tuple[list[str], dict[str, str]]:
     """The command and environment that run tiny_run.py as 2 CPU processes under ``accelerate launch``."""
     command = [
@@ -402,6 +439,23 @@ def test_updates_use_exactly_the_rows_the_rule_kept(tiny_model_dir: Path, tmp_pa
             actual = torch.tensor(update["advantages"][group * m : (group + 1) * m], dtype=torch.float64)
             torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
     assert len(set(update["texts"])) > 1
+
+
+def test_half_precision_full_fine_tuning_outside_deepspeed_is_refused_naming_the_fixes(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # why: an AdamW step of the paper's lr does not move a bfloat16 weight of 1.0 at all
+    weight = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    weight.grad = torch.ones_like(weight)
+    torch.optim.AdamW([weight], lr=5e-6).step()
+    assert torch.equal(weight.detach(), torch.ones(8, dtype=torch.bfloat16))
+    with pytest.raises(
+        ConfigError, match=r"set dtype: float32 with mixed_precision: bf16 .* DeepSpeed .* LoRA"
+    ):
+        run_tiny(tiny_model_dir, tmp_path / "full", dtype="bfloat16")
+    # LoRA on the same bfloat16 base trains float32 adapters (peft's default): accepted, and it trains
+    trainer, result = run_tiny(tiny_model_dir, tmp_path / "lora", dtype="bfloat16", lora_r=4, max_steps=1)
+    assert result.steps == 1 and all(p.dtype == torch.float32 for p in trainable_snapshot(trainer).values())
 
 
 def test_configuration_errors_before_any_work(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -113,12 +113,15 @@ def save_checkpoint(
     keep: int,
     export: Callable[[Path], None] | None = None,
     scheduler: Any = None,
+    base_model: dict[str, Any] | None = None,
 ) -> Path:
     """Save model, optimizer, scheduler, RNG states and ``state`` atomically and verifiably as ``root/step-N``.
 
     Every process must call this (each saves its own RNG state). ``export(folder)``, if given, is called on
-    the main process to also write a ready-to-use model (``save_pretrained``) inside. A failure on any
-    process raises :class:`CheckpointWriteError` on every process, after removing the partial folder.
+    the main process to also write a ready-to-use model (``save_pretrained``) inside. ``base_model`` (the
+    frozen base of an adapter-only checkpoint, see :func:`adapter_only_checkpoints`) goes into the manifest.
+    A failure on any process raises :class:`CheckpointWriteError` on every process, after removing the
+    partial folder.
     """
     final = checkpoint_dir(root, state.step)
     partial = root / f".partial-{final.name}"
@@ -143,7 +146,7 @@ def save_checkpoint(
             torch.save(scheduler.state_dict(), partial / SCHEDULER_FILE)
         _crash_point_for_tests(state.step)
         (partial / STATE_FILE).write_text(state.to_json())
-        _write_manifest(partial)
+        _write_manifest(partial, base_model)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         _fsync_directory(root)
@@ -200,8 +203,9 @@ def list_checkpoint_folders(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=checkpoint_step)
 
 
-def _write_manifest(folder: Path) -> None:
-    """Record every file's size and sha256 (flushed to disk) in ``manifest.json``, written last."""
+def _write_manifest(folder: Path, base_model: dict[str, Any] | None = None) -> None:
+    """Record every file's size and sha256 (flushed to disk) in ``manifest.json``, written last, and the
+    frozen base the checkpoint's adapter needs, if any."""
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         files[path.relative_to(folder).as_posix()] = {
@@ -210,7 +214,8 @@ def _write_manifest(folder: Path) -> None:
         }
     target = folder / MANIFEST_FILE
     with target.open("w") as handle:
-        json.dump({"format": 1, "files": files}, handle, indent=1)
+        extra = {"base_model": base_model} if base_model is not None else {}
+        json.dump({"format": 1, "files": files, **extra}, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -308,3 +313,57 @@ def resume_checkpoint(accelerator, folder: Path, scheduler: Any = None) -> Train
             f"{text.splitlines()[0] if text else 'no details'}); "
             "only resume checkpoints you trust, written by this run's model and settings"
         ) from error
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+def base_model_identity(name: str, folder: str | Path) -> dict[str, str]:
+    """``{"name", "sha256"}`` of a frozen base: its configured name, and one sha256 over its weight files
+    (``*.safetensors`` / ``*.bin`` of ``folder``, in name order)."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(_sha256(path).encode())
+    return {"name": name, "sha256": digest.hexdigest()}
+
+
+def adapter_only_checkpoints(accelerator, base_model: dict[str, str]) -> None:
+    """Make this run's checkpoints hold only the trainable (LoRA) weights of the model, besides optimizer,
+    scheduler and RNG states: megabytes, not the gigabytes of the frozen base, and no bitsandbytes 4-bit
+    state that accelerate's strict loading rejects. The base is named and hashed in the manifest; resuming
+    onto another base is refused. For runs outside DeepSpeed (DeepSpeed saves its own checkpoint format).
+    """
+
+    def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+        return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+    def keep_trainable(models: list, weights: list[dict[str, torch.Tensor]], output_dir: str) -> None:
+        for index, model in enumerate(models):
+            names = trainable(model)
+            weights[index] = {key: value for key, value in weights[index].items() if key in names}
+
+    def load_trainable(models: list, input_dir: str) -> None:
+        from safetensors.torch import load_file
+
+        recorded = json.loads((Path(input_dir) / MANIFEST_FILE).read_text()).get("base_model")
+        if recorded is not None and recorded.get("sha256") != base_model["sha256"]:
+            raise ValueError(
+                f"the checkpoint's adapter was trained on the base {recorded.get('name')!r} (weights sha256 "
+                f"{str(recorded.get('sha256'))[:12]}...), this run's base {base_model['name']!r} has other "
+                f"weights (sha256 {base_model['sha256'][:12]}...); resume with the same model"
+            )
+        for index, model in enumerate(list(models)):
+            path = Path(input_dir) / ("model.safetensors" if index == 0 else f"model_{index}.safetensors")
+            saved, names = load_file(path), trainable(model)
+            if set(saved) != set(names):
+                raise ValueError(
+                    f"{path.name} holds {len(saved)} weights, this run trains {len(names)} others (a checkpoint "
+                    "of another lora_r, lora_target_modules or model?)"
+                )
+            with torch.no_grad():
+                for name, parameter in names.items():
+                    parameter.copy_(saved[name])
+            models.remove(model)  # loaded here: accelerate loads the optimizer, scheduler and RNG states
+
+    accelerator.register_save_state_pre_hook(keep_trainable)
+    accelerator.register_load_state_pre_hook(load_trainable)

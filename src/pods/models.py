@@ -38,6 +38,16 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+def local_model_folder(name: str) -> Path:
+    """The folder on this machine holding the model ``name`` names (a hub name: its cached snapshot)."""
+    path = Path(resolve_model_path(name))
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, local_files_only=True))
+
+
 def load_tokenizer(name: str, padding_side: str = "left"):
     """The tokenizer with left padding (generation) and a pad token (falls back to EOS)."""
     from transformers import AutoTokenizer

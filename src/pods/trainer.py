@@ -23,7 +23,15 @@ import torch
 
 from pods.advantages import downsample, nanstd
 from pods.auto_generations import AutoGenerations
-from pods.checkpoint import STATE_FILE, TrainerState, checkpoint_to_resume, resume_checkpoint, save_checkpoint
+from pods.checkpoint import (
+    STATE_FILE,
+    TrainerState,
+    adapter_only_checkpoints,
+    base_model_identity,
+    checkpoint_to_resume,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from pods.config import TrainConfig
 from pods.data.stream import PromptStream
 from pods.distributed import (
@@ -38,7 +46,7 @@ from pods.errors import ConfigError, NonFiniteError
 from pods.evaluation import EvalResult, evaluate
 from pods.interrupts import StopRequests, TrainingStopped
 from pods.metrics import JsonlLog, StepTimer, peak_memory_mb, read_jsonl, reward_metrics
-from pods.models import Policy, load_policy, load_reference
+from pods.models import Policy, load_policy, load_reference, local_model_folder
 from pods.optimization import build_optimizer, build_scheduler
 from pods.progress import TrainingProgress
 from pods.registries import check_names
@@ -151,6 +159,10 @@ class PODSTrainer:
         deepspeed_batch_settings(acc, cfg.micro_batch_size, micro_batches, cfg.max_grad_norm)
         self.model, self.optimizer = acc.prepare(self.policy.model, optimizer)
         deepspeed_guards_non_finite_steps(self.model)
+        self.base_model = None  # a LoRA run's frozen base: its checkpoints hold the adapter only
+        if self.policy.is_lora and acc.state.deepspeed_plugin is None:
+            self.base_model = base_model_identity(cfg.model, local_model_folder(cfg.model))
+            adapter_only_checkpoints(acc, self.base_model)
         self.reference = None
         if cfg.beta > 0 and not self.policy.is_lora:
             self.reference = load_reference(cfg).to(acc.device)
@@ -437,6 +449,7 @@ class PODSTrainer:
             self.config.save_total_limit,
             export=lambda folder: self._export(folder, weights),
             scheduler=self.scheduler,
+            base_model=self.base_model,
         )
         self._saved = (state.step, folder)
         return folder
