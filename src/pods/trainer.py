@@ -169,7 +169,7 @@ class PODSTrainer:
 
         try:  # config.yaml records the engine that runs, whatever was asked
             cfg.rollout_engine, self.engine_reason = choose_engine(
-                cfg.rollout_engine, model=self.policy.model, load_in_4bit=cfg.load_in_4bit
+                cfg.rollout_engine, model=self.policy.model
             )
         except ValueError as error:
             raise ConfigError(str(error)) from None
@@ -185,8 +185,8 @@ class PODSTrainer:
                 "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization,
                 "max_model_length": cfg.vllm_max_model_length
                 or (cfg.max_prompt_length and cfg.max_prompt_length + cfg.max_completion_length),
-                "tensor_parallel_size": cfg.vllm_tensor_parallel_size,
                 "enable_sleep_mode": cfg.vllm_enable_sleep_mode,
+                "max_num_batched_tokens": cfg.vllm_max_num_batched_tokens,
                 "kv_cache_gb": cfg.vllm_cpu_kv_cache_gb,
                 "seed": cfg.seed + acc.process_index,
             },

@@ -25,13 +25,9 @@ __all__ = [
 ]
 
 
-def choose_engine(
-    requested: str, *, model: torch.nn.Module | None = None, load_in_4bit: bool = False
-) -> tuple[str, str]:
+def choose_engine(requested: str, *, model: torch.nn.Module | None = None) -> tuple[str, str]:
     """``(engine, reason)``: ``auto`` is vLLM where it is installed and can run here, else HF ``generate``.
-
-    A 4-bit base runs on either (vLLM gets it dequantized); ``load_in_4bit`` is accepted and has no effect.
-    """
+    A 4-bit base runs on either (vLLM gets it dequantized)."""
     if requested not in ROLLOUT_ENGINES:
         raise ValueError(
             f"rollout_engine: unknown value {requested!r}; choose one of {', '.join(ROLLOUT_ENGINES)}"

@@ -144,7 +144,6 @@ class VLLMEngine:
         add_special_tokens: bool = False,
         gpu_memory_utilization: float = 0.3,
         max_model_length: int | None = None,
-        tensor_parallel_size: int = 1,
         enable_sleep_mode: bool = False,
         max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         kv_cache_gb: float = 1.0,
@@ -153,11 +152,6 @@ class VLLMEngine:
         reason = vllm_unavailable_reason(model)
         if reason is not None:
             raise RuntimeError(f"rollout_engine vllm: {reason}")
-        if tensor_parallel_size != 1:
-            raise ValueError(
-                "vllm_tensor_parallel_size must be 1: each process runs its own engine on its own GPU (TRL's "
-                "colocate mode); launch more processes for more rollout throughput"
-            )
         on_gpu = next(model.parameters()).device.type == "cuda"
         if enable_sleep_mode and not on_gpu:
             raise ValueError(
