@@ -167,6 +167,39 @@ def test_a_push_that_leaves_an_engine_weight_unwritten_fails_naming_it(embedded)
         engine.sync_weights(model)  # the whole model again, checked
 
 
+def test_evaluation_sends_the_whole_set_to_vllm_in_one_call(embedded) -> None:
+    """vLLM schedules its own batches: the sampled protocol goes to it in one call; HF generate gets
+    eval batch_size completions per call."""
+    from pods.data import arith, get_task
+    from pods.evaluation import evaluate
+
+    model, tokenizer, engine = embedded
+    rows = [
+        {"prompt": arith.format_prompt(p.question), "answer": str(p.answer)}
+        for p in arith.generate_problems(10, seed=0, split="test")
+    ]
+    calls: dict[str, list[int]] = {}
+
+    def counted(name: str, generate):
+        def wrapper(prompts, n, sampling):
+            calls.setdefault(name, []).append(len(prompts))
+            return generate(prompts, n, sampling)
+
+        return wrapper
+
+    hf = HFGenerateEngine(model, tokenizer)
+    engine.generate, hf.generate = counted("vllm", engine.generate), counted("hf", hf.generate)
+    try:
+        options = {"protocol": "sampled", "samples": 3, "batch_size": 6, "max_new_tokens": 8}
+        accuracy = get_task("arith").accuracy_function()
+        result = evaluate(model, tokenizer, rows, accuracy, engine=engine, **options)
+        evaluate(model, tokenizer, rows, accuracy, engine=hf, **options)
+    finally:
+        del engine.generate
+    assert calls == {"vllm": [10], "hf": [2, 2, 2, 2, 2]}
+    assert result.num_problems == 10 and result.samples_per_problem == 3
+
+
 def test_truncation_matches_hf(embedded) -> None:
     model, tokenizer, engine = embedded
     short = SamplingParams(max_new_tokens=3, temperature=0.0)
