@@ -196,7 +196,7 @@ def run_script(
         [sys.executable, str(SCRIPT), str(model_dir), str(output), json.dumps(settings)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         env={**os.environ, **(env or {})},
     )
 
@@ -315,7 +315,7 @@ def test_a_deepspeed_zero2_step_uses_our_batch_shape_and_clipping(
         "1",
     ]
     env.pop("ACCELERATE_USE_CPU")  # DeepSpeed picks its CPU accelerator itself (no GPU visible)
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "distributed: DEEPSPEED" in result.stdout
     plain = run_script(tiny_model_dir, tmp_path / "plain", settings)
