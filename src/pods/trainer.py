@@ -369,9 +369,8 @@ class PODSTrainer:
         scores = torch.nan_to_num(per_function.get(reward_name(self.accuracy_fn), rewards))
         acc = self.accelerator
         successes = gather(acc, (scores > 0.5).sum(dim=1)).cpu().tolist()
-        generate = synced_max(acc, sum(timer.seconds.get(k, 0.0) for k in ("generate", "score", "select")))
-        other = synced_max(acc, timer.seconds.get("update", 0.0))
-        self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, generate, other))
+        seconds = {phase: synced_max(acc, value) for phase, value in sorted(timer.seconds.items())}
+        self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, seconds))
         decision = self.auto.decide(state.step)
         if decision is not None:
             self.auto_log.append({"kind": "decision", **decision.to_dict()})
@@ -450,11 +449,10 @@ class PODSTrainer:
     def _resume_or_start(self) -> TrainerState:
         """The state to start from: a fresh one (logs emptied) or a checkpoint's (logs cut back to its step)."""
         folder = checkpoint_to_resume(self.accelerator, self.config.resume_from, self.checkpoint_root)
-        if folder is None:
+        if folder is None:  # a fresh start (also resume_from: auto without a checkpoint): no earlier rows
             self.metrics_log.reset()
             self.eval_log.reset()
-            if self.config.resume_from is None:
-                self.auto_log.reset()
+            self.auto_log.reset()
             return TrainerState()
         state = resume_checkpoint(self.accelerator, folder, self.scheduler)
         self._saved = (state.step, folder)
