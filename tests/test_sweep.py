@@ -222,7 +222,7 @@ def test_an_interrupted_sweep_continues_where_it_stopped(tiny_sweep_config: Path
     output = tmp_path / "sweep"
     args = ["sweep", "--config", str(tiny_sweep_config), "--arm", "a:num_generations=2", "--arm",
             "b:num_generations=4", "--seeds", "0", "--output_dir", str(output), "--max_steps", "40",
-            "--save_every_steps", "1", "--eval_every_seconds", "null"]  # fmt: skip
+            "--save_every_steps", "1", "--eval_every_seconds", "null", "--eval_at_seconds", "[]"]  # fmt: skip
     process = subprocess.Popen(
         [sys.executable, "-m", "pods", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -28,7 +28,7 @@ from pods.config import TrainConfig
 from pods.data.stream import PromptStream
 from pods.distributed import deepspeed_batch_settings, gather, synced_max, synced_mean
 from pods.errors import ConfigError, NonFiniteError
-from pods.evaluation import EvalResult, evaluate
+from pods.evaluation import EvalResult, evaluate, next_evaluation_seconds
 from pods.interrupts import StopRequests, TrainingStopped
 from pods.metrics import JsonlLog, StepTimer, peak_memory_mb, read_jsonl, reward_metrics
 from pods.models import Policy, load_policy, load_reference
@@ -245,7 +245,7 @@ class PODSTrainer:
             if (
                 not stopped
                 and state.last_eval_seconds != state.train_seconds
-                and (cfg.eval_at_start or cfg.eval_every_seconds)
+                and (cfg.eval_at_start or cfg.eval_every_seconds or cfg.eval_at_seconds)
             ):
                 self._evaluate(state, progress)
             checkpoint = self._save(state) if cfg.save_final or stopped else None
@@ -410,10 +410,11 @@ class PODSTrainer:
         return result
 
     def _eval_due(self, state: TrainerState) -> bool:
-        every = self.config.eval_every_seconds
-        if every is None:
-            return False
-        return state.train_seconds - (state.last_eval_seconds or 0.0) >= every and not self._finished(state)
+        """At the first step that reaches a scheduled training time (``eval_at_seconds``, multiples of
+        ``eval_every_seconds``) not yet evaluated; the last step's evaluation follows the loop."""
+        cfg = self.config
+        due = next_evaluation_seconds(state.last_eval_seconds, cfg.eval_every_seconds, cfg.eval_at_seconds)
+        return due is not None and state.train_seconds >= due and not self._finished(state)
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, state: TrainerState) -> Path:
@@ -510,7 +511,7 @@ class PODSTrainer:
 
     def _load_eval_dataset(self) -> Any:
         cfg = self.config
-        if not cfg.eval_at_start and cfg.eval_every_seconds is None:
+        if not cfg.eval_at_start and cfg.eval_every_seconds is None and not cfg.eval_at_seconds:
             return None
         from pods.data import load_task
 
