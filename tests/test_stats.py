@@ -17,6 +17,7 @@ from pods.stats import (
     compare_curves,
     crossing_time,
     curve_levels,
+    evaluation_times,
     isotonic,
     mean_interval,
     plateau,
@@ -55,6 +56,11 @@ def test_crossing_time_interpolates_and_says_never() -> None:
     assert math.isinf(crossing_time(grid, curve, 0.7))
     times = np.array([[0.0, 10.0, 20.0], [0.0, 4.0, 8.0]])  # each row its own evaluation times
     assert crossing_time(times, np.stack([curve, curve]), 0.5) == pytest.approx([15.0, 6.0])
+
+
+def test_evaluation_times_keep_a_dense_early_stretch() -> None:
+    runs = [([0.0, 1.0, 2.0, 30.0, 60.0], [0.3] * 5), ([0.0, 1.2, 2.1, 30.4, 58.0], [0.3] * 5)]
+    assert evaluation_times(runs).tolist() == [0.0, 1.0, 1.2, 2.0, 2.1, 30.0, 30.4, 58.0]  # to the earliest end
 
 
 def test_standard_error_over_problems() -> None:

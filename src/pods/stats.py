@@ -197,6 +197,15 @@ def common_grid(arms: Sequence[Sequence[Run]]) -> np.ndarray:
     return np.linspace(start, max(start, end), points)
 
 
+def evaluation_times(runs: Sequence[Run]) -> np.ndarray:
+    """Every seed's evaluation times merged, within the span all seeds cover: the grid to draw an arm's
+    mean curve on without smoothing away a dense stretch of evaluations (an early climb)."""
+    start = max(float(run[0][0]) for run in runs)
+    end = min(float(run[0][-1]) for run in runs)
+    times = np.unique(np.concatenate([np.asarray(run[0], dtype=float) for run in runs]))
+    return np.unique(np.concatenate([[start, end], times[(times >= start) & (times <= end)]]))
+
+
 def on_grid(runs: Sequence[Run], grid: np.ndarray) -> np.ndarray:
     """``[seeds, G]``: each run linearly interpolated at the grid times."""
     return np.stack([np.interp(grid, np.asarray(s, float), np.asarray(a, float)) for s, a in runs])
