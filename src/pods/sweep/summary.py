@@ -301,6 +301,8 @@ def _seconds(value: dict[str, Any]) -> str:
         return "-"
     if value.get("value") is None:
         return "never"
+    if value["value"] == 0:
+        return "0 (met at the start)"
     never = f", {value['never']} of {value['seeds']} seeds never" if value.get("never") else ""
     at_least = ">=" if value.get("never") else ""
     if value.get("low") is None:
