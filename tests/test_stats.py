@@ -60,7 +60,8 @@ def test_crossing_time_interpolates_and_says_never() -> None:
 
 def test_evaluation_times_keep_a_dense_early_stretch() -> None:
     runs = [([0.0, 1.0, 2.0, 30.0, 60.0], [0.3] * 5), ([0.0, 1.2, 2.1, 30.4, 58.0], [0.3] * 5)]
-    assert evaluation_times(runs).tolist() == [0.0, 1.0, 1.2, 2.0, 2.1, 30.0, 30.4, 58.0]  # to the earliest end
+    merged = [0.0, 1.0, 1.2, 2.0, 2.1, 30.0, 30.4, 58.0]  # up to the earliest end
+    assert evaluation_times(runs).tolist() == merged
 
 
 def test_standard_error_over_problems() -> None:

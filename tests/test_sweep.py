@@ -123,6 +123,8 @@ def test_summary_of_known_curves() -> None:
     assert fast["best_accuracy"]["value"] == pytest.approx(0.6)
     assert "speedup" not in slow and fast["speedup"]["gain_50"]["verdict"] == "faster"
     # to 40%: slow at 13.3, 10 and 12 s, fast at 5 s in every seed: the ratio of geometric means
+    assert fast["speedup"]["gain_50"]["baseline_seconds_per_seed"] == [13.333, 10.0, 12.0]
+    assert fast["speedup"]["gain_50"]["arm_seconds_per_seed"] == [5.0, 5.0, 5.0]
     assert fast["speedup"]["gain_50"]["value"] == pytest.approx((13.333 * 10 * 12) ** (1 / 3) / 5, rel=1e-3)
     assert fast["speedup_per_step"]["gain_50"]["value"] == pytest.approx(fast["speedup"]["gain_50"]["value"])
     assert summary["target_accuracy"] == pytest.approx(0.99 * 0.6)

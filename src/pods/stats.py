@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -277,6 +277,8 @@ class Speedup(Estimate):
     baseline_never: int = 0  # seeds that never reached the level within their budget
     arm_never: int = 0
     early: int = 0  # seeds (both arms) that reached it before the first evaluation after the start
+    baseline_per_seed: list[float] = field(default_factory=list)  # each seed's time (its budget: never)
+    arm_per_seed: list[float] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -302,6 +304,8 @@ class Speedup(Estimate):
             "baseline_never": self.baseline_never,
             "arm_never": self.arm_never,
             "early": self.early,
+            "baseline_seconds_per_seed": [round(x, 3) for x in self.baseline_per_seed],
+            "arm_seconds_per_seed": [round(x, 3) for x in self.arm_per_seed],
         }
 
 
@@ -332,6 +336,8 @@ def compare_curves(
             "baseline_never": int(base.never[:, i].sum()),
             "arm_never": int(other.never[:, i].sum()),
             "early": int(base.early[:, i].sum() + other.early[:, i].sum()),
+            "baseline_per_seed": base.seconds[:, i].tolist(),
+            "arm_per_seed": other.seconds[:, i].tolist(),
         }
         if not timed[i]:
             results[name] = Speedup(float("nan"), **counts)
