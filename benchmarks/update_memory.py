@@ -188,6 +188,7 @@ def run_config(model_dir: str, n: int, m: int, length: int, workdir: str) -> dic
         max_time=None,
         eval_at_start=False,
         eval_every_seconds=None,
+        eval_at_seconds=[],
         save_every_seconds=None,
         save_final=False,
         progress=False,

@@ -101,6 +101,7 @@ def make_pods(model_dir: str, prompts: list[str], args, workdir: str):
         max_time=None,
         eval_at_start=False,
         eval_every_seconds=None,
+        eval_at_seconds=[],
         save_every_seconds=None,
         save_final=False,
         progress=False,

@@ -88,6 +88,7 @@ def compare_config(model_dir: Path, args: argparse.Namespace, device: str) -> Tr
         max_time=None if args.tiny else args.budget,
         max_steps=2 if args.tiny else None,
         eval_every_seconds=None if args.tiny else args.budget / 4,
+        eval_at_seconds=[],  # the periodic evaluations alone
         eval_batch_size=8 if args.tiny else 1000,
         save_every_seconds=None,
         save_final=False,

@@ -186,6 +186,7 @@ def test_every_preset_resolves_and_runs_a_step_on_a_tiny_model(
         "max_time": None,
         "eval_at_start": False,
         "eval_every_seconds": None,
+        "eval_at_seconds": [],
         "save_final": False,
         "progress": False,
         "output_dir": str(tmp_path),
@@ -225,7 +226,8 @@ def test_eval_on_a_lora_checkpoint(tiny_run_config: Path, tmp_path: Path, shared
     from pods.trainer import PODSTrainer
 
     overrides = ["--output_dir", str(tmp_path / "lora"), "--lora_r", "4", "--max_steps", "1"]
-    overrides += ["--eval_every_seconds", "null", "--eval_at_start", "false", "--dtype", "bfloat16"]
+    overrides += ["--eval_every_seconds", "null", "--eval_at_seconds", "[]", "--eval_at_start", "false"]
+    overrides += ["--dtype", "bfloat16"]
     PODSTrainer(load_train_config(str(tiny_run_config), overrides)).train()
     adapter = next((tmp_path / "lora" / "checkpoints").glob("step-*")) / "model"
     assert (adapter / "adapter_config.json").is_file()  # the export is the adapter, not a full copy

@@ -114,6 +114,7 @@ def pods_train(model_dir: Path, output: Path, **options) -> list[str]:
     """A `pods train` command line for a few-second run of the tiny model on the arithmetic task."""
     settings = {
         "model": model_dir, "max_time": "null", "eval_at_start": "false", "eval_every_seconds": "null",
+        "eval_at_seconds": "[]",
         "save_every_seconds": "null", "progress": "false", "prompts_per_step": 2, "num_generations": 4,
         "num_generations_kept": 2, "micro_batch_size": 4, "max_completion_length": 8, "output_dir": output,
         **options,

@@ -126,7 +126,8 @@ class TrainConfig:
     eval_protocol: str = "greedy"
     eval_samples: int = 5  # samples per problem for the sampled protocol
     eval_temperature: float = 0.9
-    eval_every_seconds: float | None = 30.0  # of training time; None = only at start and end
+    eval_every_seconds: float | None = 30.0  # at every multiple of this many seconds of training; None: none
+    eval_at_seconds: list[float] | None = field(default_factory=lambda: [5.0, 10.0, 20.0])  # and at these
     eval_at_start: bool = True
     eval_batch_size: int = 256
     save_every_steps: int | None = None
@@ -138,7 +139,10 @@ class TrainConfig:
     progress: bool = True  # live progress display on the main process
 
     def __post_init__(self) -> None:
+        if self.eval_at_seconds is None:  # null: none
+            self.eval_at_seconds = []
         self.validate()
+        self.eval_at_seconds = sorted({float(seconds) for seconds in self.eval_at_seconds})
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -267,6 +271,18 @@ class TrainConfig:
             "must be positive (seconds), or null for no limit",
         )
         _require(self.eval_samples >= 1, "eval_samples", "must be at least 1")
+        _require(
+            self.eval_every_seconds is None or self.eval_every_seconds > 0,
+            "eval_every_seconds",
+            f"must be positive (seconds of training) or null, got {self.eval_every_seconds}",
+        )
+        at = self.eval_at_seconds
+        _require(
+            isinstance(at, list | tuple)
+            and all(isinstance(x, int | float) and not isinstance(x, bool) and x > 0 for x in at),
+            "eval_at_seconds",
+            f"must be a list of positive training times in seconds, e.g. [5, 10, 20] (or [] for none), got {at!r}",
+        )
 
     def _validate_auto(self) -> None:
         from pods.auto_generations import MODELLED_RULES
@@ -405,7 +421,14 @@ def _coerce(key: str, value: Any) -> Any:
             return float(value)
         except ValueError:
             pass
-    wanted = " or ".join("null" if k is type(None) else getattr(k, "__name__", str(k)) for k in allowed)
+    wanted = " or ".join(
+        "null"
+        if k is type(None)
+        else "a list ([a, b])"
+        if get_origin(k) is list
+        else getattr(k, "__name__", str(k))
+        for k in allowed
+    )
     raise ConfigError(f"{key} must be {wanted}, got {value!r}")
 
 

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,6 +31,17 @@ class EvalResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def next_evaluation_seconds(after: float | None, every: float | None, at: Sequence[float]) -> float | None:
+    """The training time of the next evaluation due after one at ``after`` seconds (None: none yet): the
+    earliest of the times ``at`` and the multiples of ``every`` that lies beyond it; None when there is none.
+    A step that passes several due times is followed by one evaluation, which counts for all of them."""
+    after = after or 0.0
+    due = [seconds for seconds in at if seconds > after]
+    if every is not None:
+        due.append(every * (math.floor(after / every + 1e-9) + 1))
+    return min(due, default=None)
 
 
 def follows_format(text: str, prompt_style: str) -> bool:

@@ -58,29 +58,42 @@ def plot_runs(
 
 
 def plot_sweep_curves(
-    curves: dict[str, list[tuple[list[float], list[float]]]], output: str | Path, title: str
+    curves: dict[str, list[tuple[list[float], list[float]]]],
+    output: str | Path,
+    title: str,
+    target: float | None = None,
 ) -> Path:
-    """Accuracy against training time per arm: the mean over seeds (points), its 95% band over seeds
-    (shaded) and the smoothed monotone curve the speed-ups are read from (dashed)."""
+    """Accuracy against training time per arm: every seed's evaluations (dots), their mean (line) with its
+    95% band over seeds (shaded, t-interval), its isotonic fit (dashed, a guide for the eye) and the
+    ``target`` accuracy the speed-ups time (dotted)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    from pods.stats import common_grid, smoothed_mean_curve
+    from pods.stats import evaluation_times, mean_curve_band
 
     figure, axis = plt.subplots(figsize=(8, 5))
     for arm, runs in curves.items():
-        grid = common_grid([runs])
-        mean, smoothed, band = smoothed_mean_curve(runs, grid)
+        grid = evaluation_times(runs)
+        mean, fitted, band = mean_curve_band(runs, grid)
         label = f"{arm} ({len(runs)} seed{'s' if len(runs) != 1 else ''})"
-        (line,) = axis.plot(grid, 100 * mean, "o-", markersize=3, linewidth=1, label=label)
+        (line,) = axis.plot(grid, 100 * mean, "-", linewidth=1, label=label)
         axis.fill_between(grid, 100 * (mean - band), 100 * (mean + band), alpha=0.15, color=line.get_color())
-        axis.plot(grid, 100 * smoothed, "--", color=line.get_color(), linewidth=1.5)
+        axis.plot(grid, 100 * fitted, "--", color=line.get_color(), linewidth=1.5)
+        for seconds, accuracy in runs:  # every evaluation of every seed
+            axis.plot(
+                seconds, 100 * np.asarray(accuracy), ".", markersize=3, alpha=0.35, color=line.get_color()
+            )
+    if target is not None:
+        axis.axhline(
+            100 * target, color="gray", linestyle=":", linewidth=1, label=f"target {100 * target:.1f}%"
+        )
     axis.set(
         xlabel="training wall-clock (s, evaluation excluded)",
         ylabel="held-out accuracy (%)",
-        title=title + "\n(dashed: smoothed, monotone; the speed-ups are read from it)",
+        title=title + "\n(dashed: monotone fit of the mean; speed-ups are read off each seed's own fit)",
     )
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)

@@ -43,7 +43,7 @@ from pods.distributed import (
     synced_mean,
 )
 from pods.errors import ConfigError, NonFiniteError
-from pods.evaluation import EvalResult, evaluate
+from pods.evaluation import EvalResult, evaluate, next_evaluation_seconds
 from pods.interrupts import StopRequests, TrainingStopped
 from pods.metrics import JsonlLog, StepTimer, peak_memory_mb, read_jsonl, reward_metrics
 from pods.models import Policy, load_policy, load_reference, local_model_folder
@@ -265,7 +265,7 @@ class PODSTrainer:
             if (
                 not stopped
                 and state.last_eval_seconds != state.train_seconds
-                and (cfg.eval_at_start or cfg.eval_every_seconds)
+                and (cfg.eval_at_start or cfg.eval_every_seconds or cfg.eval_at_seconds)
             ):
                 self._evaluate(state, progress)
             checkpoint = self._save(state) if cfg.save_final or stopped else None
@@ -389,9 +389,8 @@ class PODSTrainer:
         scores = torch.nan_to_num(per_function.get(reward_name(self.accuracy_fn), rewards))
         acc = self.accelerator
         successes = gather(acc, (scores > 0.5).sum(dim=1)).cpu().tolist()
-        generate = synced_max(acc, sum(timer.seconds.get(k, 0.0) for k in ("generate", "score", "select")))
-        other = synced_max(acc, timer.seconds.get("update", 0.0))
-        self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, generate, other))
+        seconds = {phase: synced_max(acc, value) for phase, value in sorted(timer.seconds.items())}
+        self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, seconds))
         decision = self.auto.decide(state.step)
         if decision is not None:
             self.auto_log.append({"kind": "decision", **decision.to_dict()})
@@ -431,10 +430,11 @@ class PODSTrainer:
         return result
 
     def _eval_due(self, state: TrainerState) -> bool:
-        every = self.config.eval_every_seconds
-        if every is None:
-            return False
-        return state.train_seconds - (state.last_eval_seconds or 0.0) >= every and not self._finished(state)
+        """At the first step that reaches a scheduled training time (``eval_at_seconds``, multiples of
+        ``eval_every_seconds``) not yet evaluated; the last step's evaluation follows the loop."""
+        cfg = self.config
+        due = next_evaluation_seconds(state.last_eval_seconds, cfg.eval_every_seconds, cfg.eval_at_seconds)
+        return due is not None and state.train_seconds >= due and not self._finished(state)
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, state: TrainerState) -> Path:
@@ -473,11 +473,10 @@ class PODSTrainer:
     def _resume_or_start(self) -> TrainerState:
         """The state to start from: a fresh one (logs emptied) or a checkpoint's (logs cut back to its step)."""
         folder = checkpoint_to_resume(self.accelerator, self.config.resume_from, self.checkpoint_root)
-        if folder is None:
+        if folder is None:  # a fresh start (also resume_from: auto without a checkpoint): no earlier rows
             self.metrics_log.reset()
             self.eval_log.reset()
-            if self.config.resume_from is None:
-                self.auto_log.reset()
+            self.auto_log.reset()
             return TrainerState()
         state = resume_checkpoint(self.accelerator, folder, self.scheduler)
         self._saved = (state.step, folder)
@@ -535,7 +534,7 @@ class PODSTrainer:
 
     def _load_eval_dataset(self) -> Any:
         cfg = self.config
-        if not cfg.eval_at_start and cfg.eval_every_seconds is None:
+        if not cfg.eval_at_start and cfg.eval_every_seconds is None and not cfg.eval_at_seconds:
             return None
         from pods.data import load_task
 

@@ -32,6 +32,7 @@ TINY_SETTINGS = {
     "max_steps": 2,
     "eval_at_start": False,
     "eval_every_seconds": None,
+    "eval_at_seconds": [],
     "save_every_seconds": None,
     "progress": False,
     "rollout_engine": "hf",  # tests/test_vllm.py covers the vLLM engine
