@@ -120,6 +120,7 @@ def qlora_config(model_dir: Path, args: argparse.Namespace, device: str, output_
         max_steps=2 if args.tiny else None,
         eval_at_start=False,
         eval_every_seconds=None,
+        eval_at_seconds=[],
         save_every_seconds=None,
         save_final=False,
         progress=False,
