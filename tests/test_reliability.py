@@ -20,9 +20,13 @@ import torch
 
 from pods.checkpoint import (
     MANIFEST_FILE,
+    STATE_FILE,
+    TrainerState,
     checkpoint_problem,
     checkpoint_step,
+    checkpoint_to_resume,
     list_checkpoints,
+    save_checkpoint,
 )
 from pods.config import ConfigError
 from pods.metrics import read_jsonl
@@ -420,6 +424,72 @@ def test_resume_never_unpickles_code(tiny_model_dir: Path, tmp_path: Path) -> No
         assert not marker.exists(), f"{name} was unpickled with code execution"
         (checkpoint / name).write_bytes(original)
         (checkpoint / MANIFEST_FILE).write_text(original_manifest)
+
+
+def test_re_saving_a_step_keeps_one_complete_copy_wherever_it_is_interrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 3 saved again (as after resuming past damaged checkpoints): a second Ctrl-C between moving the old
+    copy aside and renaming the new one in leaves the old copy, put back at the next start; a crash after
+    the new copy is in place leaves the new one, and the old copy is deleted at the next start."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 4)
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    root = tmp_path / "checkpoints"
+
+    def save(seconds: float) -> Path:
+        return save_checkpoint(accelerator, root, TrainerState(step=3, train_seconds=seconds), keep=2)
+
+    def saved_seconds(folder: Path) -> float:
+        assert checkpoint_problem(folder) is None
+        return json.loads((folder / STATE_FILE).read_text())["train_seconds"]
+
+    step3 = save(1.0)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    monkeypatch.setenv("PODS_INTERRUPT_DURING_SAVE", "3:replace")
+    with pytest.raises(KeyboardInterrupt):
+        save(2.0)
+    monkeypatch.delenv("PODS_INTERRUPT_DURING_SAVE")
+    assert list_checkpoints(root) == [] and (root / ".replaced-step-0000003").is_dir()  # only aside now
+    assert checkpoint_to_resume(accelerator, "auto", root) == step3 and saved_seconds(step3) == 1.0
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000003"]
+
+    assert save(2.0) == step3 and saved_seconds(step3) == 2.0
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000003"]
+    old_copy = root / ".replaced-step-0000003"  # what a crash right after the second rename leaves
+    save_checkpoint(accelerator, tmp_path / "elsewhere", TrainerState(step=3, train_seconds=1.0), keep=1)
+    (tmp_path / "elsewhere" / "step-0000003").rename(old_copy)
+    assert checkpoint_to_resume(accelerator, "auto", root) == step3 and saved_seconds(step3) == 2.0
+    assert not old_copy.exists()
+
+
+def test_an_explicit_resume_from_an_older_step_sets_the_newer_history_aside(
+    tiny_model_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    """Resuming from step 1 of a run that reached step 3 abandons steps 2-3: they are moved out of the way
+    (named in a warning), so a later resume_from: auto continues the new history, not the abandoned one."""
+    root = tmp_path / "checkpoints"
+    trainer_for(tiny_model_dir, tmp_path, max_steps=3, save_every_steps=1, save_total_limit=3).train()
+    step1, _, old_step3 = list_checkpoints(root)
+    old_state = (old_step3 / STATE_FILE).read_text()
+    capfd.readouterr()
+    trainer_for(tiny_model_dir, tmp_path, max_steps=2, save_every_steps=1, resume_from=str(step1)).train()
+    abandoned = root / "abandoned-after-step-0000001"
+    assert (
+        f"resuming from step 1: moved the newer checkpoints of the abandoned history (step-0000002, "
+        f"step-0000003) to {abandoned}" in capfd.readouterr().err
+    )
+    assert [checkpoint_step(p) for p in list_checkpoints(root)] == [1, 2]
+    assert sorted(p.name for p in abandoned.iterdir()) == ["step-0000002", "step-0000003"]
+    assert (abandoned / "step-0000003" / STATE_FILE).read_text() == old_state
+
+    assert trainer_for(tiny_model_dir, tmp_path, max_steps=3, resume_from="auto").train().steps == 3
+    assert [row["step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]  # step 3 redone
+    newest = list_checkpoints(root)[-1]
+    assert checkpoint_step(newest) == 3 and checkpoint_problem(newest) is None
 
 
 # ------------------------------------------------------------------------------------------ write failures
