@@ -3,6 +3,7 @@ processes, real damaged files, writes that really fail, NaNs that really reach t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -40,22 +41,23 @@ from tiny_run import count_of_a, tiny_dataset
 # ------------------------------------------------------------------------------------------ helpers
 
 
+def start(command: list[str], logs: Path, env: dict | None = None, **popen) -> subprocess.Popen:
+    """``command`` in the background, stdout and stderr to files named after ``logs`` (read them with
+    :func:`outputs` at any time; unlike a pipe, a file never fills up and blocks the process)."""
+    logs.parent.mkdir(parents=True, exist_ok=True)
+    log = logs.parent / f"{logs.name}-{time.monotonic_ns()}"
+    handles = open(f"{log}.out", "w"), open(f"{log}.err", "w")  # noqa: SIM115 - closed in finish()
+    process = subprocess.Popen(command, stdout=handles[0], stderr=handles[1], env=env, **popen)
+    process.logs = handles
+    return process
+
+
 def start_script(
     model_dir: Path, output: Path, settings: dict, env: dict | None = None, **popen
 ) -> subprocess.Popen:
     """tiny_run.py as a background process (stdout and stderr to files in ``output``'s parent)."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    log = output.parent / f"{output.name}-{time.monotonic_ns()}"
-    handles = open(f"{log}.out", "w"), open(f"{log}.err", "w")  # noqa: SIM115 - closed in finish()
-    process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(model_dir), str(output), json.dumps(settings)],
-        stdout=handles[0],
-        stderr=handles[1],
-        env={**os.environ, **(env or {})},
-        **popen,
-    )
-    process.logs = handles
-    return process
+    command = [sys.executable, str(SCRIPT), str(model_dir), str(output), json.dumps(settings)]
+    return start(command, output, env={**os.environ, **(env or {})}, **popen)
 
 
 def outputs(process: subprocess.Popen) -> tuple[str, str]:
@@ -144,20 +146,17 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_printed_command_
 ) -> None:
     """`pods train` itself: SIGTERM mid-run saves the last completed step, prints the resume command, exits 143."""
     output = tmp_path / "run"
-    process = subprocess.Popen(
-        pods_train(tiny_model_dir, output, max_steps=12, report_to="tensorboard"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=CLI_ENV,
+    process = start(
+        pods_train(tiny_model_dir, output, max_steps=12, report_to="tensorboard"), output, CLI_ENV
     )
     try:
         wait_for_step(process, output / "metrics.jsonl", 2)
         process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=120)
+        code = finish(process)
     finally:
         process.kill()
-    assert process.returncode == 128 + signal.SIGTERM, stderr
+    _, stderr = outputs(process)
+    assert code == 128 + signal.SIGTERM, stderr
     assert "Traceback" not in stderr
     stopped_at = read_jsonl(output / "metrics.jsonl")[-1]["step"]
     assert 2 <= stopped_at < 12
@@ -214,20 +213,15 @@ def test_a_signal_on_one_rank_stops_both_ranks_at_the_same_step(tiny_model_dir: 
 
     def launch_and_stop(settings: dict, stop) -> tuple[int, list[list[str]], str]:
         command, env = two_process_launch(tiny_model_dir, tmp_path, settings)
-        launcher = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
+        launcher = start(command, tmp_path / "launch", env, start_new_session=True)
         try:
             wait_for_step(launcher, tmp_path / "metrics.jsonl", highest + 2)
             stop(launcher)
-            stdout, stderr = launcher.communicate(timeout=120)
+            code = finish(launcher)
         finally:
-            launcher.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGKILL)  # the workers too, should the test fail
+        stdout, stderr = outputs(launcher)
         lines = sorted(line.split(" ", 4) for line in stdout.splitlines() if line.startswith("STOPPED "))
         assert [line[1] for line in lines] == ["0", "1"], stderr[-3000:]
         assert lines[0][2:4] == lines[1][2:4], lines  # same signal, same step
@@ -238,7 +232,7 @@ def test_a_signal_on_one_rank_stops_both_ranks_at_the_same_step(tiny_model_dir: 
         assert checkpoint_step(checkpoint) == step and checkpoint_problem(checkpoint) is None
         assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in checkpoint.iterdir()}
         assert_same_weights(weights(tmp_path / "weights-rank0.pt"), weights(tmp_path / "weights-rank1.pt"))
-        return launcher.returncode, lines, stderr
+        return code, lines, stderr
 
     def sigterm_to_rank_1(launcher: subprocess.Popen) -> None:
         workers = psutil.Process(launcher.pid).children(recursive=True)
