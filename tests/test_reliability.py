@@ -64,7 +64,12 @@ def outputs(process: subprocess.Popen) -> tuple[str, str]:
     return tuple(Path(handle.name).read_text() for handle in process.logs)
 
 
-def wait_for_step(process: subprocess.Popen, metrics: Path, step: int, timeout: float = 120) -> None:
+# Deadlines for what should take seconds: generous, since starting a run on a busy 2-core machine can take
+# minutes; they only matter when something hangs.
+PATIENCE_S = 300
+
+
+def wait_for_step(process: subprocess.Popen, metrics: Path, step: int, timeout: float = PATIENCE_S) -> None:
     """Wait until ``metrics`` logs ``step`` (the run is then in the middle of training)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -75,7 +80,7 @@ def wait_for_step(process: subprocess.Popen, metrics: Path, step: int, timeout: 
     raise AssertionError(f"step {step} never logged")
 
 
-def finish(process: subprocess.Popen, timeout: float = 120) -> int:
+def finish(process: subprocess.Popen, timeout: float = PATIENCE_S) -> int:
     code = process.wait(timeout=timeout)
     for handle in process.logs:
         handle.close()
@@ -183,22 +188,23 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_the_printed_command_
 
 @pytest.mark.slow
 def test_a_second_sigint_aborts_at_once(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Ctrl-C twice: the second one interrupts even a reward function in the middle of a 20 s call."""
+    """Ctrl-C twice: the second one interrupts even a reward function in the middle of a 100 s call."""
     process = start_script(
-        tiny_model_dir, tmp_path / "run", {"max_steps": 50}, env={"TINY_RUN_REWARD_SLEEP": "20"}
+        tiny_model_dir, tmp_path / "run", {"max_steps": 50}, env={"TINY_RUN_REWARD_SLEEP": "100"}
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + PATIENCE_S
     while "REWARD CALL" not in outputs(process)[0]:
         assert process.poll() is None and time.monotonic() < deadline, outputs(process)[1][-2000:]
         time.sleep(0.05)
-    time.sleep(0.5)  # inside the first 20 s reward call
+    time.sleep(0.5)  # inside the first 100 s reward call
     process.send_signal(signal.SIGINT)
     time.sleep(1.5)  # longer than a launcher's forwarded copy of the same Ctrl-C
     assert process.poll() is None, "the first SIGINT did not wait for the step in flight"
     process.send_signal(signal.SIGINT)
     sent = time.monotonic()
-    code = finish(process, timeout=60)
-    assert time.monotonic() - sent < 10, "the second SIGINT did not abort at once"
+    code = finish(process)
+    # well before the reward call's end, even when a busy machine slows the process's exit
+    assert time.monotonic() - sent < 40, "the second SIGINT did not abort at once"
     stdout, stderr = outputs(process)
     assert code != 0 and "KeyboardInterrupt" in stderr and "STOPPED" not in stdout
     assert "SIGINT received" in stderr
