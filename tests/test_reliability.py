@@ -35,7 +35,7 @@ from pods.scoring import RewardFunctionError
 from pods.trainer import NonFiniteError, PODSTrainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_trainer import SCRIPT, learning_metrics, run_script, tiny_config, two_process_launch
+from test_trainer import SCRIPT, learning_metrics, tiny_config, two_process_launch
 from tiny_run import count_of_a, tiny_dataset
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -262,28 +262,38 @@ def test_a_signal_on_one_rank_stops_both_ranks_at_the_same_step(tiny_model_dir: 
 
 
 @pytest.mark.slow
-def test_fault_injection_sigkill_sigterm_and_a_damaged_checkpoint_resume_exactly(
+def test_fault_injection_crashes_signals_and_a_damaged_checkpoint_resume_exactly(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Seeded random stops (SIGKILL, SIGTERM, SIGKILL then the newest checkpoint damaged, SIGTERM), each followed
-    by --resume_from auto: the end weights and every step's rewards equal an uninterrupted run's."""
+    """Seeded random stops (a crash half-way through writing a checkpoint, SIGTERM, SIGKILL then the newest
+    checkpoint damaged, SIGTERM), each followed by --resume_from auto: the end weights and every step's rewards
+    equal an uninterrupted run's (two optimizer passes per generation, so the old log-probs resume too)."""
     steps = 20
-    settings = {"max_steps": steps, "save_every_steps": 1, "selection_rule": "random", "torch_threads": 1}
+    settings = {
+        "max_steps": steps,
+        "save_every_steps": 1,
+        "selection_rule": "random",
+        "num_iterations": 2,
+        "torch_threads": 1,
+    }
     straight = trainer_for(tiny_model_dir, tmp_path / "straight", **settings)  # in-process: same threads
     straight.train()
 
     rng = random.Random(11)
     output, metrics = tmp_path / "interrupted", tmp_path / "interrupted" / "metrics.jsonl"
     highest, resume, damaged = 0, {}, None
-    for event in ("SIGKILL", "SIGTERM", "SIGKILL+damage", "SIGTERM"):
+    for event in ("crash while saving", "SIGTERM", "SIGKILL+damage", "SIGTERM"):
         # Steps of at least 0.1 s (the reward pauses; same values), so a stop point cannot run away to the end
         # on a fast, idle machine.
-        process = start_script(
-            tiny_model_dir, output, {**settings, **resume}, env={"TINY_RUN_REWARD_SLEEP": "0.1"}
-        )
-        wait_for_step(process, metrics, highest + rng.randint(1, 2))
-        time.sleep(rng.uniform(0.0, 0.25))  # anywhere in a step: generating, updating or saving
-        process.send_signal(signal.SIGKILL if event.startswith("SIGKILL") else signal.SIGTERM)
+        env = {"TINY_RUN_REWARD_SLEEP": "0.1"}
+        if event == "crash while saving":  # os._exit(17) after the model is written, before the manifest
+            crash_at = highest + rng.randint(2, 3)
+            env["PODS_CRASH_DURING_SAVE"] = str(crash_at)
+        process = start_script(tiny_model_dir, output, {**settings, **resume}, env=env)
+        if event != "crash while saving":
+            wait_for_step(process, metrics, highest + rng.randint(1, 2))
+            time.sleep(rng.uniform(0.0, 0.25))  # anywhere in a step: generating, updating or saving
+            process.send_signal(signal.SIGKILL if event.startswith("SIGKILL") else signal.SIGTERM)
         code = finish(process)
         stdout, stderr = outputs(process)
         if damaged is not None:  # this run started after the newest checkpoint was damaged
@@ -291,7 +301,10 @@ def test_fault_injection_sigkill_sigterm_and_a_damaged_checkpoint_resume_exactly
         highest = max(row["step"] for row in read_jsonl(metrics))
         assert highest < steps, f"the run ended before the {event}: lower the stop points\n{stderr[-3000:]}"
         newest = list_checkpoints(output / "checkpoints")[-1]
-        if event == "SIGTERM":
+        if event == "crash while saving":  # the step was logged, its checkpoint never completed
+            assert code == 17 and highest == crash_at == checkpoint_step(newest) + 1, stderr[-3000:]
+            assert (output / "checkpoints" / f".partial-step-{crash_at:07d}").is_dir()
+        elif event == "SIGTERM":
             assert code == 128 + signal.SIGTERM, stderr
             assert int(stopped_line(stdout)[3]) == highest == checkpoint_step(newest)
         else:
@@ -301,11 +314,10 @@ def test_fault_injection_sigkill_sigterm_and_a_damaged_checkpoint_resume_exactly
             damage(newest / "model.safetensors", "truncate")
         resume = {"resume_from": "auto"}
 
-    final = run_script(tiny_model_dir, output, {**settings, **resume})
-    assert final.returncode == 0, final.stderr
-    model = straight.accelerator.unwrap_model(straight.model)
+    resumed = trainer_for(tiny_model_dir, output, **settings, **resume)  # in-process, like the straight run
+    assert resumed.train().steps == steps
     assert_same_weights(
-        {k: v.detach() for k, v in model.state_dict().items()}, weights(output / "weights-rank0.pt")
+        *(run.accelerator.unwrap_model(run.model).state_dict() for run in (straight, resumed))
     )
     straight_rows, resumed_rows = (
         learning_metrics(tmp_path / "straight" / "metrics.jsonl"),
