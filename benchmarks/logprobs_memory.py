@@ -138,11 +138,20 @@ def main() -> None:
                 [*base_cmd, "--worker", method, mode], capture_output=True, text=True, check=True, env=env
             )
             peaks.append(json.loads(result.stdout.strip().splitlines()[-1]) / 2**20)
-        print(f"{mode:<10}" + "".join(f"{p:>20.1f}" for p in peaks) + f"{peaks[1] / peaks[0]:>10.3f}")
+        print(f"{mode:<10}" + "".join(f"{p:>20.1f}" for p in peaks) + f"{_ratio(peaks[1], peaks[0]):>10.3f}")
     print("seconds per call (warm, median of 3):")
     for mode in MODES:
         seconds = [warm_seconds(method, mode, shape, dtype, args.device) for method in METHODS]
-        print(f"{mode:<10}" + "".join(f"{t:>20.3f}" for t in seconds) + f"{seconds[1] / seconds[0]:>10.3f}")
+        print(
+            f"{mode:<10}"
+            + "".join(f"{t:>20.3f}" for t in seconds)
+            + f"{_ratio(seconds[1], seconds[0]):>10.3f}"
+        )
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b; NaN when b is 0 (a --smoke size can peak at no measurable memory)."""
+    return a / b if b else float("nan")
 
 
 if __name__ == "__main__":

@@ -293,7 +293,7 @@ def main() -> None:
             f"| {r['seconds_generate']:.1f} | {r['seconds_update']:.1f} |"
         )
     pods, grpo_small, grpo_large = (results[c]["update_peak"] for c in ((64, 8), (8, 8), (64, 64)))
-    near, half = pods / grpo_small, pods / grpo_large
+    near, half = (pods / base if base else float("nan") for base in (grpo_small, grpo_large))  # 0: --smoke
     print(
         f"(64, 8) / (8, 8)   = {near:.3f}  (bar: within 15%, i.e. 0.85 to 1.15: {_verdict(abs(near - 1) <= 0.15)})"
     )
