@@ -149,7 +149,10 @@ def tiny_run_config(
 
 
 @pytest.mark.slow
-def test_train_eval_and_plot(tiny_run_config: Path, tmp_path: Path, shared_data: Path) -> None:
+def test_train_eval_and_plot(
+    tiny_run_config: Path, tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pods train` and `pods eval` as processes, then `pods plot` (in this process) on what they wrote."""
     run_dir = tmp_path / "run"
     result = run_pods("train", "--config", str(tiny_run_config), "--output_dir", str(run_dir), "--seed", "3")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -173,10 +176,9 @@ def test_train_eval_and_plot(tiny_run_config: Path, tmp_path: Path, shared_data:
         assert values[key] * 12 == pytest.approx(round(values[key] * 12)) and values[key] <= 1.0, key
     assert values["correct_and_formatted"] <= min(values["accuracy"], values["format_accuracy"])
 
-    result = run_pods("plot", str(run_dir), str(run_dir), "--output", str(tmp_path / "again.png"))
-    assert result.returncode == 0 and (tmp_path / "again.png").stat().st_size > 10_000
-    result = run_pods("plot", str(tmp_path))
-    assert result.returncode == 2 and "not a pods run folder" in result.stderr
+    assert main(["plot", str(run_dir), str(run_dir), "--output", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 10_000
+    assert main(["plot", str(tmp_path)]) == 2 and "not a pods run folder" in capsys.readouterr().err
 
 
 @pytest.mark.slow

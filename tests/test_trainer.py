@@ -189,18 +189,6 @@ def test_mean_reward_rises(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert last > first + 0.2, rewards
 
 
-def run_script(
-    model_dir: Path, output: Path, settings: dict, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), str(model_dir), str(output), json.dumps(settings)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-    )
-
-
 def learning_metrics(path: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in read_jsonl(path)]
 
@@ -256,10 +244,9 @@ def test_a_deepspeed_zero2_step_uses_our_batch_shape_and_clipping(
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "distributed: DEEPSPEED" in result.stdout
-    plain = run_script(tiny_model_dir, tmp_path / "plain", settings)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    plain, _ = run_tiny(tiny_model_dir, tmp_path / "plain", **settings)  # in this process, without DeepSpeed
     zero2 = torch.load(tmp_path / "zero2" / "weights-rank0.pt")
-    reference = torch.load(tmp_path / "plain" / "weights-rank0.pt")
+    reference = plain.accelerator.unwrap_model(plain.model).state_dict()
     for key, value in reference.items():
         torch.testing.assert_close(zero2[key], value, rtol=1e-4, atol=1e-6, msg=key)
 
