@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +23,26 @@ def load_run(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
     return (read_jsonl(metrics) if metrics.is_file() else []), (read_jsonl(evals) if evals.is_file() else [])
 
 
+# Metrics renamed since runs were first written (to TRL's names, commit fa0ed00): new name -> old name.
+OLD_METRIC_NAMES = {"reward": "reward_mean_all"}
+
+
+def metric_column(rows: list[dict], key: str, path: Path) -> list[float]:
+    """``key`` of every row read from ``path`` (under its old name in files written before the renames);
+    a one-line error naming the file and the row if a row has neither name."""
+    old = OLD_METRIC_NAMES.get(key)
+    values = []
+    for number, row in enumerate(rows, start=1):
+        name = key if key in row else old if old in row else None
+        if name is None:
+            raise ConfigError(
+                f"{path}: row {number} has no '{key}'{f' (nor its old name {old!r})' if old else ''}; "
+                "pods plot reads the metrics.jsonl and eval.jsonl that pods train writes (see docs/metrics.md)"
+            )
+        values.append(math.nan if row[name] is None else row[name])  # null: a non-finite value was logged
+    return values
+
+
 def plot_runs(
     run_dirs: Sequence[str | Path], output: str | Path, labels: Sequence[str] | None = None
 ) -> Path:
@@ -35,15 +56,14 @@ def plot_runs(
     figure, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for run_dir, label in zip(run_dirs, labels, strict=True):
         metrics, evals = load_run(run_dir)
+        metrics_file, eval_file = Path(run_dir) / "metrics.jsonl", Path(run_dir) / "eval.jsonl"
         for column, x_key in enumerate(("train_seconds", "step")):
             if evals:
-                axes[0, column].plot(
-                    [r[x_key] for r in evals], [100 * r["accuracy"] for r in evals], "o-", label=label
-                )
+                accuracy = [100 * value for value in metric_column(evals, "accuracy", eval_file)]
+                axes[0, column].plot(metric_column(evals, x_key, eval_file), accuracy, "o-", label=label)
             if metrics:
-                axes[1, column].plot(
-                    [r[x_key] for r in metrics], _smooth([r["reward"] for r in metrics]), label=label
-                )
+                rewards = _smooth(metric_column(metrics, "reward", metrics_file))
+                axes[1, column].plot(metric_column(metrics, x_key, metrics_file), rewards, label=label)
     for column, x_label in enumerate(("training wall-clock (s, evaluation excluded)", "step")):
         axes[0, column].set(xlabel=x_label, ylabel="held-out accuracy (%)")
         axes[1, column].set(xlabel=x_label, ylabel="mean reward of all n rollouts (smoothed)")

@@ -47,11 +47,9 @@ def run_demo(args: argparse.Namespace, overrides: list[str]) -> int:
             f"--m must be between 1 and --n, and --groups at least 1; got m={args.m}, n={args.n}, groups={args.groups}"
         )
     generator = torch.Generator().manual_seed(args.seed)
-    levels = torch.tensor([0.0, 0.1, 1.0, 1.2])
-    rewards = levels[torch.randint(len(levels), (args.groups, args.n), generator=generator)]
-    print(
-        f"{args.groups} groups x n={args.n} rollouts, keeping m={args.m} per group (rewards from {levels.tolist()})"
-    )
+    levels = [0.0, 0.1, 1.0, 1.2]  # printed as written (a float32 tensor's 0.1 prints as 0.10000000149011612)
+    rewards = torch.tensor(levels)[torch.randint(len(levels), (args.groups, args.n), generator=generator)]
+    print(f"{args.groups} groups x n={args.n} rollouts, keeping m={args.m} per group (rewards from {levels})")
     for group in range(args.groups):
         print(f"\ngroup {group}: rewards {[round(r, 1) for r in rewards[group].tolist()]}")
         for rule in available_rules():

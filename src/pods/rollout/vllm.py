@@ -26,6 +26,7 @@ import contextlib
 import gc
 import importlib.util
 import json
+import logging
 import os
 import random
 import re
@@ -47,6 +48,7 @@ from pods.rollout.base import (
     pad_token_id,
     tokenize_prompts,
 )
+from pods.rollout.native_stderr import native_stderr_without
 
 __all__ = ["VLLMEngine", "WeightSyncError", "engine_dtype", "vllm_unavailable_reason"]
 
@@ -57,6 +59,7 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # vLLM's memory profiler reserves activation memory for this many tokens per forward; its default (a few
 # times larger) makes it conclude that a colocated engine has no room for a KV cache. TRL pins 4096 too.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+CPU_NUMA_NOTICE = r"Warning: NUMA binding: Using MEMBIND policy"  # information, not a problem
 # vLLM keeps its parallel groups process-wide and tears them down when an engine is freed, which would
 # break an engine built before that: one live engine per process (a new one closes the previous one).
 _live_engine: weakref.ref | None = None
@@ -117,6 +120,8 @@ def _import_vllm():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in the training process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    # vLLM configures its loggers after some of its modules have logged at import (a Triton notice on the CPU)
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     import warnings
 
     warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op.*", category=FutureWarning)
@@ -208,7 +213,9 @@ class VLLMEngine:
         rng = (torch.get_rng_state(), random.getstate())  # vLLM seeds the global generators in-process
         self.llm = None
         try:
-            self.llm = vllm.LLM(**options)
+            # vLLM's CPU worker prints a NUMA binding notice from C++ on every start, past its logging level
+            with contextlib.nullcontext() if on_gpu else native_stderr_without(CPU_NUMA_NOTICE):
+                self.llm = vllm.LLM(**options)
         finally:
             torch.set_num_threads = _SET_NUM_THREADS
             _SET_NUM_THREADS(threads)
