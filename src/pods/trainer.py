@@ -294,10 +294,8 @@ class PODSTrainer:
         (draws seeded by seed, step, process and round, so that a resumed run skips the same)."""
         if self.greso is None:
             return SkippedPrompts(ids=next(candidates), skipped=0)
-        generator = torch.Generator().manual_seed(
-            ((self.config.seed * 1_000_003 + state.step) * 64 + self.accelerator.process_index) * 1_009 + round_index
-        )
         history = PromptHistory.from_state(state.prompt_history, self.greso)
+        generator = self._skip_generator(state.step, round_index)
         return skip_prompts(candidates, history, self.greso, self.config.prompts_per_step, generator)
 
     def _generate_more(self, sampled: SampledGroups) -> bool:
@@ -566,6 +564,11 @@ class PODSTrainer:
     def _seed_step(self, step: int) -> None:
         """Reseed per step (and process): sampling after a resume matches an uninterrupted run exactly."""
         torch.manual_seed((self.config.seed * 1_000_003 + step) * 64 + self.accelerator.process_index)
+
+    def _skip_generator(self, step: int, round_index: int) -> torch.Generator:
+        """GRESO's draws for one round of one step on this process (no state to checkpoint)."""
+        seed = ((self.config.seed * 1_000_003 + step) * 64 + self.accelerator.process_index) * 1_009 + round_index
+        return torch.Generator().manual_seed(seed)
 
     def _selection_generator(self, step: int) -> torch.Generator:
         return torch.Generator().manual_seed(
