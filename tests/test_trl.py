@@ -536,9 +536,11 @@ def test_trainer_needs_a_pods_config(tiny_model_dir, prompts, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path) -> None:
+@pytest.mark.parametrize("mode", ["plain", "stages"])
+def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path, mode: str) -> None:
     """accelerate launch, 2 CPU processes (gloo). ``--cpu --num_processes 2`` starts ONE process in
-    accelerate 1.16, so we launch through torchrun (``--multi_gpu``) with CUDA hidden."""
+    accelerate 1.16, so we launch through torchrun (``--multi_gpu``) with CUDA hidden. ``stages``: with the
+    prompt filter and GRESO, every process refills the same number of rounds and trains on its own groups."""
     script = REPO_ROOT / "tests" / "scripts" / "trl_two_process.py"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
@@ -553,7 +555,7 @@ def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path) -> None:
         "0",
     ]
     result = subprocess.run(
-        [*command, str(script), str(tiny_model_dir), str(tmp_path)],
+        [*command, str(script), str(tiny_model_dir), str(tmp_path), mode],
         capture_output=True,
         text=True,
         timeout=300,
