@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,16 @@ def test_version_and_help() -> None:
 def test_demo_prints_what_each_rule_keeps(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--groups", "2", "--n", "6", "--m", "3"]) == 0
     stdout = capsys.readouterr().out
-    for rule in ("max_variance", "max_reward", "random"):
-        assert stdout.count(rule) == 2
+    for rule in (
+        "max_variance",
+        "max_reward",
+        "random",
+        "shortest",
+        "reward_per_token",
+        "max_variance_shortest",
+    ):
+        assert len(re.findall(rf"^  {rule} +keeps \[", stdout, flags=re.MULTILINE)) == 2, rule
+    assert stdout.count("lengths [") == 2
 
 
 def test_a_bug_keeps_its_traceback() -> None:

@@ -112,7 +112,9 @@ def test_sampled_groups_take_whole_groups_across_rounds() -> None:
     rewards = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
     sampled.add([10, 11], rollouts([2, 2, 3, 3], [1, 4, 2, 2], n=2, start=0), rewards, {"f": rewards})
     more = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
-    sampled.add([12, 13], rollouts([5, 5, 1, 1], [6, 3, 1, 2], n=2, start=50_000), more, {"f": more}, skipped=3)
+    sampled.add(
+        [12, 13], rollouts([5, 5, 1, 1], [6, 3, 1, 2], n=2, start=50_000), more, {"f": more}, skipped=3
+    )
     assert sampled.passed.tolist() == [False, True, False, True] and sampled.num_passed == 2
     assert (sampled.ids, sampled.skipped) == ([10, 11, 12, 13], 3)
     groups = sampled.take(fill_groups(sampled.passed, 2))
@@ -144,7 +146,9 @@ def test_keep_probability_is_greso_formula_with_its_floor() -> None:
 
 def test_history_counts_streaks_of_one_kind_and_forgets_informative_groups() -> None:
     start = PromptHistory(streaks={1: (SOLVED, 3), 2: (FAILED, 1), 3: (SOLVED, 1)})
-    after = record_outcomes(start, [1, 2, 3, 4, 4, 5], [SOLVED, SOLVED, INFORMATIVE, FAILED, FAILED, INFORMATIVE])
+    after = record_outcomes(
+        start, [1, 2, 3, 4, 4, 5], [SOLVED, SOLVED, INFORMATIVE, FAILED, FAILED, INFORMATIVE]
+    )
     assert after.streaks == {1: (SOLVED, 4), 2: (SOLVED, 1), 4: (FAILED, 2)}
     assert start.streaks == {1: (SOLVED, 3), 2: (FAILED, 1), 3: (SOLVED, 1)}  # pure: the input is unchanged
     assert after.exploration == start.exploration
@@ -167,7 +171,9 @@ def test_exploration_rates_move_towards_their_targets_within_bounds() -> None:
 
 
 def test_history_survives_a_json_round_trip() -> None:
-    history = PromptHistory(streaks={7: (SOLVED, 2), 3: (FAILED, 5)}, exploration={SOLVED: 0.47, FAILED: 0.53})
+    history = PromptHistory(
+        streaks={7: (SOLVED, 2), 3: (FAILED, 5)}, exploration={SOLVED: 0.47, FAILED: 0.53}
+    )
     state = json.loads(json.dumps(history.to_state()))
     assert state["streaks"] == [[3, FAILED, 5], [7, SOLVED, 2]]
     assert PromptHistory.from_state(state, GresoSettings()) == history
@@ -185,7 +191,9 @@ def batches_from(start: int, size: int):
 
 def test_skip_prompts_keeps_each_candidate_with_its_probability() -> None:
     settings = GresoSettings()
-    history = PromptHistory(streaks={i: (FAILED, 2) for i in range(0, 100_000, 2)}, exploration={SOLVED: 0.5, FAILED: 0.5})
+    history = PromptHistory(
+        streaks={i: (FAILED, 2) for i in range(0, 100_000, 2)}, exploration={SOLVED: 0.5, FAILED: 0.5}
+    )
     chosen = skip_prompts(batches_from(0, 1000), history, settings, 1000, torch.Generator().manual_seed(0))
     assert len(chosen.ids) == 1000 and len(set(chosen.ids)) == 1000
     assert chosen.ids == sorted(chosen.ids)  # candidates in order, skipped ones left out
@@ -225,10 +233,15 @@ def test_refill_candidates_are_a_pure_function_of_the_step_and_disjoint_across_p
         step_prompts = set(drawn[0][0]) | set(drawn[1][0])
         for rank, stream in enumerate(streams):
             assert drawn[rank][0] == stream.indices(step)
-            assert drawn[rank] == list(itertools.islice(PromptStream(rows, 3, 5, rank, 2).candidates(step), 4))
+            assert drawn[rank] == list(
+                itertools.islice(PromptStream(rows, 3, 5, rank, 2).candidates(step), 4)
+            )
         refills = [index for rank in (0, 1) for batch in drawn[rank][1:] for index in batch]
         assert len(refills) == len(set(refills)) == 18  # no prompt twice in a step, on any process
         assert not step_prompts & set(refills)
-    assert list(itertools.islice(streams[0].candidates(0), 2))[1] != list(itertools.islice(streams[0].candidates(1), 2))[1]
+    assert (
+        list(itertools.islice(streams[0].candidates(0), 2))[1]
+        != list(itertools.islice(streams[0].candidates(1), 2))[1]
+    )
     tiny = PromptStream(rows[:2], 2, seed=0, rank=0, world=1)  # nothing left to refill from: repeats
     assert sorted(next(itertools.islice(tiny.candidates(0), 1, 2))) == [0, 1]

@@ -277,7 +277,9 @@ def test_shortest_and_reward_per_token_match_brute_force() -> None:
             kept = select(rewards, m, "reward_per_token", lengths=lengths)
             assert_valid_indices(kept, 40, n, m)
             efficiency = rewards / lengths.clamp_min(1)
-            best = efficiency[:, subsets].sum(dim=2).max(dim=1).values  # the m best ratios have the largest sum
+            best = (
+                efficiency[:, subsets].sum(dim=2).max(dim=1).values
+            )  # the m best ratios have the largest sum
             torch.testing.assert_close(efficiency.gather(1, kept).sum(dim=1), best, rtol=1e-12, atol=1e-12)
 
 
@@ -309,9 +311,9 @@ def test_rules_with_and_without_lengths_share_one_protocol() -> None:
     assert select([[0.0, 1.0, 2.0]], 2, "test_longest", lengths=[[3, 1, 2]]).tolist() == [[0, 2]]
     assert seen[0].dtype == torch.float64 and seen[0].tolist() == [[3.0, 1.0, 2.0]]
     assert select([0.0, 1.0, 2.0], 1, "shortest", lengths=[4, 2, 3]).tolist() == [1]  # one group, 1-D
-    assert select([[3.0, 1.0, 2.0]], 2, lambda r, m, g: r.argsort(dim=1)[:, :m], lengths=[[1, 1, 1]]).tolist() == [
-        [1, 2]
-    ]
+    assert select(
+        [[3.0, 1.0, 2.0]], 2, lambda r, m, g: r.argsort(dim=1)[:, :m], lengths=[[1, 1, 1]]
+    ).tolist() == [[1, 2]]
     with pytest.raises(ValueError, match="'shortest' ranks completions by length: pass lengths"):
         select([[1.0, 2.0]], 1, "shortest")
     with pytest.raises(ValueError, match=r"lengths has shape \(1, 3\), but rewards has \(1, 2\)"):

@@ -226,7 +226,10 @@ def learning_metrics(path: Path) -> list[dict]:
 
 
 FILTER_AND_SKIP = {"prompt_filter": "nonzero_std", "prompt_skip": "greso", "max_num_gen_batches": 3}
-HALF_CONSTANT = {"TINY_RUN_REWARD": "half_constant", "TINY_RUN_DATASET_SIZE": "6"}  # zero-variance groups, revisits
+HALF_CONSTANT = {
+    "TINY_RUN_REWARD": "half_constant",
+    "TINY_RUN_DATASET_SIZE": "6",
+}  # zero-variance groups, revisits
 
 
 @pytest.mark.slow
@@ -234,7 +237,13 @@ HALF_CONSTANT = {"TINY_RUN_REWARD": "half_constant", "TINY_RUN_DATASET_SIZE": "6
     ("extra", "env"), [({}, {}), (FILTER_AND_SKIP, HALF_CONSTANT)], ids=["plain", "filter+skip"]
 )
 def test_resume_after_a_crash_is_exact(tiny_model_dir: Path, tmp_path: Path, extra: dict, env: dict) -> None:
-    settings = {"max_steps": 4, "save_every_steps": 2, "selection_rule": "random", "num_iterations": 2, **extra}
+    settings = {
+        "max_steps": 4,
+        "save_every_steps": 2,
+        "selection_rule": "random",
+        "num_iterations": 2,
+        **extra,
+    }
     straight = run_script(tiny_model_dir, tmp_path / "straight", settings, env)
     assert straight.returncode == 0, straight.stderr
 
@@ -262,7 +271,8 @@ def test_resume_after_a_crash_is_exact(tiny_model_dir: Path, tmp_path: Path, ext
         assert sum(row["pods/skip/prompts_skipped"] for row in late) > 0, late
         assert sum(row["pods/filter/groups_dropped"] for row in late) > 0, late
         straight_record, resumed_record = (
-            json.loads((tmp_path / name / "record-rank0.json").read_text())["scored"] for name in ("straight", "resumed")
+            json.loads((tmp_path / name / "record-rank0.json").read_text())["scored"]
+            for name in ("straight", "resumed")
         )  # the resumed process scored steps 3-4 only: the same prompts, rounds, completions and rewards
         strip = lambda scored: [{k: v for k, v in r.items() if k != "step"} for r in scored]  # noqa: E731
         assert strip(resumed_record) == strip([r for r in straight_record if r["step"] >= 2])
@@ -441,11 +451,18 @@ def question_index(question: str) -> int:
     return int(question.split(":")[0].split()[1])
 
 
-def test_prompt_filter_refills_until_every_trained_group_has_a_spread(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_prompt_filter_refills_until_every_trained_group_has_a_spread(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """Half of the prompts give all-equal rewards: the step drops them, generates again for more prompts, stops as
     soon as it has P groups that pass, trains on exactly those, and logs what it dropped and generated."""
     config = tiny_config(
-        tiny_model_dir, tmp_path, max_steps=4, prompt_filter="nonzero_std", max_num_gen_batches=4, save_final=False
+        tiny_model_dir,
+        tmp_path,
+        max_steps=4,
+        prompt_filter="nonzero_std",
+        max_num_gen_batches=4,
+        save_final=False,
     )
     trainer = RecordingTrainer(config, reward_funcs=[half_constant], train_dataset=tiny_dataset())
     trainer.train()
@@ -456,7 +473,7 @@ def test_prompt_filter_refills_until_every_trained_group_has_a_spread(tiny_model
         rewards = torch.cat([torch.tensor(r["rewards"], dtype=torch.float64) for r in rounds])
         texts = [text for r in rounds for text in r["texts"]]
         passed = ~zero_variance_groups(rewards)
-        before_last = int(passed[: -wanted].sum())
+        before_last = int(passed[:-wanted].sum())
         assert before_last < wanted, "a round ran after the step already had P groups that pass"
         assert len(rounds) == row["pods/filter/num_gen_batches"] <= 4
         refilled += len(rounds) > 1
@@ -466,7 +483,9 @@ def test_prompt_filter_refills_until_every_trained_group_has_a_spread(tiny_model
             assert all(text in texts[group * n : (group + 1) * n] for text in kept)
         trained_passed = int(passed[groups].sum())
         assert row["pods/filter/groups_unfilled"] == wanted - trained_passed
-        assert row["pods/filter/groups_dropped"] == len(passed) - int(passed.sum()) - (wanted - trained_passed)
+        assert row["pods/filter/groups_dropped"] == len(passed) - int(passed.sum()) - (
+            wanted - trained_passed
+        )
         assert row["pods/filter/extra_rollouts"] == (len(rounds) - 1) * wanted * n
         assert row["frac_reward_zero_std"] == pytest.approx(1 - passed.double().mean().item())  # every round
     assert refilled >= 2, "the reward gave too few zero-variance groups to exercise the refill"
@@ -480,7 +499,12 @@ def test_the_refill_bound_ends_each_step_on_a_solved_dataset(tiny_model_dir: Pat
         return [1.0] * len(completions)
 
     config = tiny_config(
-        tiny_model_dir, tmp_path, max_steps=2, prompt_filter="nonzero_std", max_num_gen_batches=3, save_final=False
+        tiny_model_dir,
+        tmp_path,
+        max_steps=2,
+        prompt_filter="nonzero_std",
+        max_num_gen_batches=3,
+        save_final=False,
     )
     trainer = RecordingTrainer(config, reward_funcs=[always_one], train_dataset=tiny_dataset())
     before = trainable_snapshot(trainer)
@@ -494,7 +518,9 @@ def test_the_refill_bound_ends_each_step_on_a_solved_dataset(tiny_model_dir: Pat
     assert all(advantage == 0 for update in trainer.updates for advantage in update["advantages"])
 
 
-def test_greso_skips_as_its_history_says_and_checkpoints_the_history(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_greso_skips_as_its_history_says_and_checkpoints_the_history(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """Six prompts, so each is seen again every three steps. Replaying GRESO's pure functions over every scored group
     (record each, adapt past the first epoch) predicts exactly which prompts each step generated for and skipped, the
     exploration rates logged, and the history in the checkpoint."""
@@ -507,7 +533,11 @@ def test_greso_skips_as_its_history_says_and_checkpoints_the_history(tiny_model_
     for step, (rounds, row) in enumerate(zip(scored_by_step(trainer), rows, strict=True)):
         (scored,) = rounds  # no filter: one round
         expected = skip_prompts(
-            trainer.prompts.candidates(step), history, settings, config.prompts_per_step, trainer._skip_generator(step, 0)
+            trainer.prompts.candidates(step),
+            history,
+            settings,
+            config.prompts_per_step,
+            trainer._skip_generator(step, 0),
         )
         assert [question_index(q) for q in scored["questions"]] == expected.ids
         assert row["pods/skip/prompts_skipped"] == expected.skipped
@@ -518,7 +548,9 @@ def test_greso_skips_as_its_history_says_and_checkpoints_the_history(tiny_model_
             history = adapt_exploration(history, outcomes, settings)
         assert row["pods/skip/exploration_solved"] == history.exploration[SOLVED]
         assert row["pods/skip/exploration_failed"] == history.exploration[FAILED]
-    assert sum(row["pods/skip/prompts_skipped"] for row in rows) > 0, "nothing was skipped: the test has no teeth"
+    assert sum(row["pods/skip/prompts_skipped"] for row in rows) > 0, (
+        "nothing was skipped: the test has no teeth"
+    )
     assert rows[0]["pods/skip/exploration_solved"] == 0.5 != rows[-1]["pods/skip/exploration_solved"]
     saved = json.loads((list_checkpoints(tmp_path / "checkpoints")[-1] / STATE_FILE).read_text())
     assert PromptHistory.from_state(saved["prompt_history"], settings) == history
@@ -551,7 +583,9 @@ def test_two_processes_each_filter_and_skip_their_own_groups(tiny_model_dir: Pat
             groups = fill_groups(passed, wanted).tolist()
             update = records[rank]["updates"][step]["texts"]
             for slot, group in enumerate(groups):
-                assert all(text in texts[group * n : (group + 1) * n] for text in update[slot * m : (slot + 1) * m])
+                assert all(
+                    text in texts[group * n : (group + 1) * n] for text in update[slot * m : (slot + 1) * m]
+                )
             dropped += len(passed) - int(passed.sum()) - (wanted - int(passed[groups].sum()))
         assert row["pods/filter/groups_dropped"] == dropped
     assert sum(row["pods/filter/groups_dropped"] for row in rows) > 0

@@ -175,7 +175,8 @@ def test_take_rows_keeps_every_per_row_entry_and_refuses_unknown_shapes() -> Non
 
 
 @pytest.mark.parametrize(
-    ("scale", "rule"), [("group", "max_variance"), ("batch", "max_variance"), ("group", "max_variance_shortest")]
+    ("scale", "rule"),
+    [("group", "max_variance"), ("batch", "max_variance"), ("group", "max_variance_shortest")],
 )
 def test_generation_batch_keeps_the_selected_rows_of_each_group(
     tiny_model_dir, prompts, tmp_path, scale, rule
@@ -266,7 +267,10 @@ def test_unscorable_completions_follow_trls_rule(tiny_model_dir, prompts, tmp_pa
 
 def numbered_prompts(size: int) -> Dataset:
     return Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": f"Question {i}: 3 + {i}"}], "number": i} for i in range(size)]
+        [
+            {"prompt": [{"role": "user", "content": f"Question {i}: 3 + {i}"}], "number": i}
+            for i in range(size)
+        ]
     )
 
 
@@ -351,12 +355,15 @@ def test_join_of_trl_batches_repads_each_side_and_refuses_images() -> None:
         "num_images": [0],
     }
     joined = concat_batches([first, second], pad_id=0)
-    assert joined["prompt_ids"].tolist() == [[5, 6], [0, 8]] and joined["prompt_mask"].tolist() == [[1, 1], [0, 1]]
+    assert joined["prompt_ids"].tolist() == [[5, 6], [0, 8]] and joined["prompt_mask"].tolist() == [
+        [1, 1],
+        [0, 1],
+    ]
     assert joined["completion_ids"].tolist() == [[7, 0, 0], [9, 10, 11]]
     assert joined["completion_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
     assert joined["advantages"].tolist() == [0.5, -0.5] and joined["num_items_in_batch"].item() == 4
     assert joined["old_per_token_logps"] is None and joined["num_images"] == [0, 0]
-    with pytest.raises(ValueError, match="'pixel_values' over generation rounds; .* text prompts only"):
+    with pytest.raises(ValueError, match=r"'pixel_values' over generation rounds; .* text prompts only"):
         concat_batches([{**first, "pixel_values": object()}, {**second, "pixel_values": object()}], pad_id=0)
     assert prompt_key({"prompt": [{"role": "user", "content": "a"}]}) == prompt_key(
         {"prompt": [{"content": "a", "role": "user"}], "other": 1}
@@ -385,7 +392,9 @@ def test_greso_in_trl_skips_prompts_and_checkpoints_its_history(tiny_model_dir, 
     assert (tmp_path / "checkpoint-3" / PROMPT_SKIP_STATE_FILE).is_file()
     fresh = PODSTrainer(str(tiny_model_dir), half_constant_reward, args, numbered_prompts(6))
     (tmp_path / "checkpoint-3" / PROMPT_SKIP_STATE_FILE).unlink()
-    with pytest.raises(ValueError, match="pods_prompt_skip.json is missing: the checkpoint was written without"):
+    with pytest.raises(
+        ValueError, match=r"pods_prompt_skip\.json is missing: the checkpoint was written without"
+    ):
         fresh.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
 
 
@@ -467,7 +476,9 @@ def test_two_training_steps_per_rule(tiny_model_dir, prompts, tmp_path, rule: st
 def test_random_rule_draws_resume_exactly(tiny_model_dir, prompts, tmp_path, stages: bool) -> None:
     """After resuming from a checkpoint, the random rule keeps what an uninterrupted run keeps; with the prompt
     filter and GRESO, the refills and skips (the history comes from the checkpoint) are the same too."""
-    extra = {"prompt_filter": "nonzero_std", "prompt_skip": "greso", "max_num_gen_batches": 3} if stages else {}
+    extra = (
+        {"prompt_filter": "nonzero_std", "prompt_skip": "greso", "max_num_gen_batches": 3} if stages else {}
+    )
     dataset, reward = (numbered_prompts(6), half_constant_reward) if stages else (prompts, token_sum_reward)
 
     def run(folder, resume=None):
@@ -494,7 +505,12 @@ def test_random_rule_draws_resume_exactly(tiny_model_dir, prompts, tmp_path, sta
     resumed, kept_resumed = run(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-2"))
     assert kept_resumed == kept_whole and len(kept_whole) == 4
     if stages:
-        assert sum(log["pods/filter/groups_dropped"] + log["pods/skip/prompts_skipped"] for log in kept_whole[2:]) > 0
+        assert (
+            sum(
+                log["pods/filter/groups_dropped"] + log["pods/skip/prompts_skipped"] for log in kept_whole[2:]
+            )
+            > 0
+        )
     for (name, a), b in zip(
         whole.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
     ):

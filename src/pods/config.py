@@ -66,13 +66,13 @@ class TrainConfig:
     num_generations_max: int | None = None  # default 16 m
     num_generations_every: int = 5  # "auto" re-decides n every this many steps
     num_generations_kept: int = 4  # m: completions trained on per prompt (m = n is plain GRPO)
-    selection_rule: str = "max_variance"  # max_variance, max_reward, random, all, shortest, reward_per_token,
+    selection_rule: str = "max_variance"  # or max_reward, random, all, shortest, reward_per_token,
     # max_variance_shortest, or a registered rule (docs/selection.md)
     prompts_per_step: int = 16  # prompts per step per process
-    prompt_filter: str = "none"  # none, or nonzero_std: drop groups whose n rewards are all equal, refill (DAPO)
-    max_num_gen_batches: int = 4  # with a prompt_filter: generation rounds per step at most, the first included
-    prompt_skip: str = "none"  # none, or greso: skip prompts predicted to give all-equal rewards (GRESO)
-    prompt_skip_target: float = 0.25  # greso: fraction of zero-variance groups its skip rates steer towards
+    prompt_filter: str = "none"  # or nonzero_std: drop all-equal groups, generate for more (DAPO)
+    max_num_gen_batches: int = 4  # prompt_filter: generation rounds per step at most (first included)
+    prompt_skip: str = "none"  # or greso: skip prompts likely to give all-equal rewards (GRESO)
+    prompt_skip_target: float = 0.25  # greso: fraction of zero-variance groups its rates steer towards
     max_completion_length: int = 32
     temperature: float = 1.0
     top_p: float = 1.0

@@ -40,7 +40,9 @@ def fill_groups(passed: torch.Tensor, wanted: int) -> torch.Tensor:
     generated (in generation order): the first ``wanted`` that passed, then, if fewer passed (the refill bound
     was hit), the first that did not."""
     if passed.ndim != 1 or passed.dtype != torch.bool:
-        raise ValueError(f"passed must be a 1-D bool tensor, got {passed.dtype} of shape {tuple(passed.shape)}.")
+        raise ValueError(
+            f"passed must be a 1-D bool tensor, got {passed.dtype} of shape {tuple(passed.shape)}."
+        )
     if not 0 <= wanted <= passed.numel():
         raise ValueError(f"cannot train on {wanted} groups out of {passed.numel()} generated.")
     positions = torch.arange(passed.numel(), device=passed.device)
@@ -74,7 +76,9 @@ class SampledGroups:
     _passed: list[torch.Tensor] = field(default_factory=list)
     _all: Groups | None = None  # every round joined, kept until the next round
 
-    def add(self, ids: list[int], rollouts: Rollouts, rewards: torch.Tensor, per_function: dict, skipped: int = 0):
+    def add(
+        self, ids: list[int], rollouts: Rollouts, rewards: torch.Tensor, per_function: dict, skipped: int = 0
+    ):
         """Record one round: ``ids[P]``, its rollouts and ``rewards[P, n]``."""
         self.ids.extend(ids)
         self.skipped += skipped

@@ -147,7 +147,9 @@ def skip_prompts(
     for _ in range(settings.max_candidate_batches):
         batch = next(candidates)
         draws = torch.rand(len(batch), generator=generator, dtype=torch.float64)
-        for prompt, keep in zip(batch, (draws < keep_probabilities(history, batch, settings)).tolist(), strict=True):
+        for prompt, keep in zip(
+            batch, (draws < keep_probabilities(history, batch, settings)).tolist(), strict=True
+        ):
             if len(kept) == wanted:
                 break
             (kept if keep else skipped).append(prompt)

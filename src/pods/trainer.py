@@ -251,7 +251,13 @@ class PODSTrainer:
                 state.train_seconds += synced_max(acc, timer.total)  # the slowest process sets the clock
                 everything = sampled.all  # metrics describe every group generated, over the refill rounds
                 metrics = self._step_metrics(
-                    state, timer, everything.rollouts, everything.rewards, chosen.rewards, everything.per_function, update
+                    state,
+                    timer,
+                    everything.rollouts,
+                    everything.rewards,
+                    chosen.rewards,
+                    everything.per_function,
+                    update,
                 )
                 metrics.update(self._filter_metrics(sampled, n), **skip_metrics)
                 self.metrics_log.append(metrics)
@@ -334,15 +340,11 @@ class PODSTrainer:
         without a signal because the bound was hit, summed over processes."""
         if self.config.prompt_filter == "none":
             return {}
-        wanted = self.config.prompts_per_step
-        passed = sampled.num_passed
-        counts = torch.tensor(
-            [
-                len(sampled.ids) - passed - max(wanted - passed, 0),  # dropped: failed the filter, not used to fill
-                (len(sampled.rounds) - 1) * wanted * n,  # extra rollouts
-                max(wanted - passed, 0),  # unfilled
-            ]
-        )
+        wanted, passed = self.config.prompts_per_step, sampled.num_passed
+        unfilled = max(wanted - passed, 0)  # slots filled with groups that failed the filter
+        failed = len(sampled.ids) - passed
+        extra = (len(sampled.rounds) - 1) * wanted * n
+        counts = torch.tensor([failed - unfilled, extra, unfilled])
         dropped, extra, unfilled = synced_sum(self.accelerator, counts).tolist()
         return {
             "pods/filter/num_gen_batches": len(sampled.rounds),
@@ -567,8 +569,10 @@ class PODSTrainer:
 
     def _skip_generator(self, step: int, round_index: int) -> torch.Generator:
         """GRESO's draws for one round of one step on this process (no state to checkpoint)."""
-        seed = ((self.config.seed * 1_000_003 + step) * 64 + self.accelerator.process_index) * 1_009 + round_index
-        return torch.Generator().manual_seed(seed)
+        process = self.accelerator.process_index
+        return torch.Generator().manual_seed(
+            ((self.config.seed * 1_000_003 + step) * 64 + process) * 1_009 + round_index
+        )
 
     def _selection_generator(self, step: int) -> torch.Generator:
         return torch.Generator().manual_seed(

@@ -39,7 +39,10 @@ class CheckedPODSTrainer(PODSTrainer):
     """PODSTrainer that checks the group layout it receives and returns."""
 
     checks = 0
-    rounds: list[int] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rounds: list[int] = []  # generation rounds of each generation batch
 
     def _generate_and_score_completions(self, inputs):
         n, m = self.num_generations, self.num_generations_kept
@@ -59,7 +62,9 @@ class CheckedPODSTrainer(PODSTrainer):
         rewards = torch.tensor([score(ids, k) for ids, k in SEEN]).view(-1, n)
         rounds = gather_object([rewards.shape[0] // len(groups)])
         assert rounds[0] == rounds[1], f"the processes ran different numbers of generation rounds: {rounds}"
-        trained = fill_groups(~zero_variance_groups(rewards), len(groups)) if STAGES else torch.arange(len(groups))
+        trained = (
+            fill_groups(~zero_variance_groups(rewards), len(groups)) if STAGES else torch.arange(len(groups))
+        )
         kept = select(rewards[trained], m, "max_variance")
         expected = [SEEN[row][0] for row in (kept + n * trained.unsqueeze(1)).flatten().tolist()]
         rows = zip(batch["completion_ids"], batch["completion_mask"], strict=True)
@@ -91,7 +96,11 @@ def main(model_dir: str, output_dir: str) -> None:
         max_steps=2,
         logging_steps=1,
         seed=0,
-        **({"prompt_filter": "nonzero_std", "prompt_skip": "greso", "max_num_gen_batches": 3} if STAGES else {}),
+        **(
+            {"prompt_filter": "nonzero_std", "prompt_skip": "greso", "max_num_gen_batches": 3}
+            if STAGES
+            else {}
+        ),
     )
     trainer = CheckedPODSTrainer(
         model=model_dir, reward_funcs=token_sum_reward, args=args, train_dataset=dataset

@@ -60,7 +60,9 @@ class PromptStream:
         return self._orders[epoch][offset]
 
 
-def refill_order(num_rows: int, seed: int, step: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+def refill_order(
+    num_rows: int, seed: int, step: int, exclude: set[int] | frozenset[int] = frozenset()
+) -> list[int]:
     """The order in which a step's refill rounds draw prompts: a permutation of ``range(num_rows)`` seeded by
     (seed, step), without ``exclude`` unless that would leave nothing (a dataset smaller than one step)."""
     generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_033 + 17)

@@ -182,7 +182,9 @@ def concat_batches(batches: list[dict[str, Any]], pad_id: int) -> dict[str, Any]
             joined[key] = torch.cat(
                 [
                     torch.nn.functional.pad(
-                        value, (width - value.shape[1], 0) if left else (0, width - value.shape[1]), value=fill
+                        value,
+                        (width - value.shape[1], 0) if left else (0, width - value.shape[1]),
+                        value=fill,
                     )
                     for value in values
                 ]
@@ -375,7 +377,9 @@ class PODSTrainer(GRPOTrainer):
         if self._pods_greso is not None and self.args.should_save:
             from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder = (
+                Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
             (folder / PROMPT_SKIP_STATE_FILE).write_text(json.dumps(self._pods_history.to_state()))
 
     def _selection_generator(self) -> torch.Generator:
@@ -422,7 +426,9 @@ class PODSTrainer(GRPOTrainer):
         rewards = summed.view(-1, n)  # [all groups, n]
         lengths = None
         if uses_lengths(self.args.selection_rule):  # every process's completion lengths, as the rewards
-            lengths = self.accelerator.gather(batch["completion_mask"].sum(dim=1)).view(-1, n).to(rewards.device)
+            lengths = (
+                self.accelerator.gather(batch["completion_mask"].sum(dim=1)).view(-1, n).to(rewards.device)
+            )
 
         chosen = downsample(
             rewards,
@@ -454,7 +460,9 @@ class PODSTrainer(GRPOTrainer):
             loss_mask = loss_mask * batch["tool_mask"]
         batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
 
-        generated = rewards if sampled is None else sampled.all_rewards  # every group generated, all processes
+        generated = (
+            rewards if sampled is None else sampled.all_rewards
+        )  # every group generated, all processes
         for name, value in reward_metrics(generated, kept_rewards).items():
             if name.startswith(
                 "pods/"
@@ -509,7 +517,9 @@ class PODSTrainer(GRPOTrainer):
                     + len(rounds.batches)
                 )
                 prompts = skip_prompts(candidates, self._pods_history, self._pods_greso, wanted, generator)
-            batch, rewards_per_func = self._scored_round([rows[k] for k in prompts.ids for _ in range(n)], defer)
+            batch, rewards_per_func = self._scored_round(
+                [rows[k] for k in prompts.ids for _ in range(n)], defer
+            )
             local = rewards_per_func.view(acc.num_processes, -1, rewards_per_func.shape[1])[acc.process_index]
             rewards = summed_rewards(local, self.reward_weights).view(wanted, n)
             rounds.add(prompts, batch, local, rewards, passing_groups(rewards, args.prompt_filter))
@@ -518,9 +528,13 @@ class PODSTrainer(GRPOTrainer):
         rounds.finish(acc, args.prompt_filter)
         if self._pods_greso is not None:
             keys = acc.gather(torch.tensor(rounds.ids, device=acc.device)).tolist()
-            outcomes = acc.gather(group_outcomes(rounds.rewards, self._pods_greso.solved_reward).to(acc.device))
+            outcomes = acc.gather(
+                group_outcomes(rounds.rewards, self._pods_greso.solved_reward).to(acc.device)
+            )
             history = record_outcomes(self._pods_history, keys, outcomes.tolist())
-            if self.state.epoch is not None and self.state.epoch >= 1:  # as GRESO: adapt after the first epoch
+            if (
+                self.state.epoch is not None and self.state.epoch >= 1
+            ):  # as GRESO: adapt after the first epoch
                 history = adapt_exploration(history, outcomes.tolist(), self._pods_greso)
             self._pods_history = history
             rounds.skip_metrics(acc, history)
@@ -610,7 +624,9 @@ class _SampledRounds:
         """``[local groups, n]`` over every round."""
         return torch.cat(self.round_rewards)
 
-    def add(self, prompts: SkippedPrompts, batch: dict, local_rewards_per_func: torch.Tensor, rewards, passed):
+    def add(
+        self, prompts: SkippedPrompts, batch: dict, local_rewards_per_func: torch.Tensor, rewards, passed
+    ):
         self.ids.extend(prompts.ids)
         self.skipped += prompts.skipped
         self.batches.append(batch)
@@ -670,7 +686,7 @@ class _SampledRounds:
         rounds = len(self.batches)
         logged = torch.full((rounds, self.world, self.wanted, self.n), float("nan"), dtype=trained.dtype)
         process = torch.arange(self.world).unsqueeze(1)
-        logged[self.all_positions // self.wanted, process, self.all_positions % self.wanted] = trained.cpu().view(
-            self.world, self.wanted, self.n
+        logged[self.all_positions // self.wanted, process, self.all_positions % self.wanted] = (
+            trained.cpu().view(self.world, self.wanted, self.n)
         )
         return logged

@@ -164,7 +164,9 @@ def concat_rollouts(parts: list[Rollouts], pad_id: int = 0) -> Rollouts:
     return Rollouts(
         prompt_ids=torch.cat([pad(p.prompt_ids, prompt_width, pad_id, left=True) for p in parts]),
         prompt_mask=torch.cat([pad(p.prompt_mask, prompt_width, 0, left=True) for p in parts]),
-        completion_ids=torch.cat([pad(p.completion_ids, completion_width, pad_id, left=False) for p in parts]),
+        completion_ids=torch.cat(
+            [pad(p.completion_ids, completion_width, pad_id, left=False) for p in parts]
+        ),
         completion_mask=torch.cat([pad(p.completion_mask, completion_width, 0, left=False) for p in parts]),
         texts=[text for part in parts for text in part.texts],
         truncated=torch.cat([part.truncated for part in parts]),
