@@ -557,8 +557,8 @@ class PODSTrainer(GRPOTrainer):
             keys = []
             for k in range(wanted):
                 row = self.train_dataset[order[(start + k) % len(order)]]
-                rows.setdefault(prompt_key(row), row)
                 keys.append(prompt_key(row))
+                rows.setdefault(keys[-1], row)
             yield keys
 
     def _defer_logps(self, inputs: list[dict[str, Any]]) -> bool:
@@ -625,8 +625,14 @@ class _SampledRounds:
         return torch.cat(self.round_rewards)
 
     def add(
-        self, prompts: SkippedPrompts, batch: dict, local_rewards_per_func: torch.Tensor, rewards, passed
-    ):
+        self,
+        prompts: SkippedPrompts,
+        batch: dict[str, Any],
+        local_rewards_per_func: torch.Tensor,
+        rewards: torch.Tensor,
+        passed: torch.Tensor,
+    ) -> None:
+        """Record one round: its prompts, TRL's batch, this process's rewards (per function and summed ``[P, n]``)."""
         self.ids.extend(prompts.ids)
         self.skipped += prompts.skipped
         self.batches.append(batch)
@@ -669,6 +675,7 @@ class _SampledRounds:
         )
 
     def skip_metrics(self, accelerator: Any, history: PromptHistory) -> None:
+        """GRESO's metrics: prompts skipped over every process, the rollouts they would have cost, the rates."""
         skipped = int(accelerator.gather(torch.tensor([self.skipped], device=accelerator.device)).sum())
         state = history.to_state()
         self.metrics.update(
