@@ -34,9 +34,17 @@ def test_version_and_help() -> None:
 def test_demo_prints_what_each_rule_keeps(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--groups", "2", "--n", "6", "--m", "3"]) == 0
     stdout = capsys.readouterr().out
-    for rule in ("max_variance", "max_reward", "random"):
-        assert stdout.count(rule) == 2
-    assert "(rewards from [0.0, 0.1, 1.0, 1.2])" in stdout
+    for rule in (
+        "max_variance",
+        "max_reward",
+        "random",
+        "shortest",
+        "reward_per_token",
+        "max_variance_shortest",
+    ):
+        assert len(re.findall(rf"^  {rule} +keeps \[", stdout, flags=re.MULTILINE)) == 2, rule
+    assert stdout.count("lengths [") == 2
+    assert "(rewards from [0.0, 0.1, 1.0, 1.2], lengths" in stdout
     assert not re.search(r"\d\.\d{6}", stdout), stdout  # no float32 artefacts (0.10000000149011612)
 
 

@@ -45,6 +45,7 @@ class TrainerState:
     last_save_seconds: float = 0.0
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
     consecutive_skips: int = 0
+    prompt_history: dict[str, Any] | None = None  # prompt_skip greso's history (PromptHistory.to_state)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

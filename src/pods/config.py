@@ -31,6 +31,8 @@ OPTIMIZERS = ("adamw", "adamw_8bit")
 EVAL_PROTOCOLS = ("greedy", "sampled")
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # auto: vLLM where it is installed and can run, else hf
 PRECISIONS = ("auto", "no", "bf16", "fp16")
+PROMPT_FILTERS = ("none", "nonzero_std")  # pods.prompt_filter (DAPO's dynamic sampling)
+PROMPT_SKIPS = ("none", "greso")  # pods.prompt_skip (GRESO)
 
 EMBEDDED_MODEL = "embedded"
 
@@ -66,8 +68,13 @@ class TrainConfig:
     num_generations_max: int | None = None  # default 16 m
     num_generations_every: int = 5  # "auto" re-decides n every this many steps
     num_generations_kept: int = 4  # m: completions trained on per prompt (m = n is plain GRPO)
-    selection_rule: str = "max_variance"  # max_variance, max_reward, random, all, or a registered rule
+    selection_rule: str = "max_variance"  # or max_reward, random, all, shortest, reward_per_token,
+    # max_variance_shortest, or a registered rule (docs/selection.md)
     prompts_per_step: int = 16  # prompts per step per process
+    prompt_filter: str = "none"  # or nonzero_std: drop all-equal groups, generate for more (DAPO)
+    max_num_gen_batches: int = 4  # prompt_filter: generation rounds per step at most (first included)
+    prompt_skip: str = "none"  # or greso: skip prompts likely to give all-equal rewards (GRESO)
+    prompt_skip_target: float = 0.25  # greso: fraction of zero-variance groups its rates steer towards
     max_completion_length: int = 32
     temperature: float = 1.0
     top_p: float = 1.0
@@ -180,6 +187,18 @@ class TrainConfig:
             "micro_batch_size",
             f"{self.micro_batch_size} must divide the kept rows per step per process, prompts_per_step x m = "
             f"{self.prompts_per_step} x {m} = {rows}; divisors: {_divisors(rows)}",
+        )
+        require_choice(self.prompt_filter, PROMPT_FILTERS, "prompt_filter")
+        _require(
+            self.max_num_gen_batches >= 1,
+            "max_num_gen_batches",
+            f"must be at least 1 (generation rounds per step, the first included), got {self.max_num_gen_batches}",
+        )
+        require_choice(self.prompt_skip, PROMPT_SKIPS, "prompt_skip")
+        _require(
+            0 <= self.prompt_skip_target < 1,
+            "prompt_skip_target",
+            f"must be in [0, 1) (a fraction of zero-variance groups), got {self.prompt_skip_target}",
         )
         _require(self.max_completion_length >= 1, "max_completion_length", "must be at least 1")
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")

@@ -1,12 +1,16 @@
 """The PODS trainer. One step, per prompt (a group), reads top to bottom in :meth:`PODSTrainer.train`:
 
+0. choose the step's prompts, skipping those predicted to give all-equal rewards (``prompt_skip``, GRESO);
 1. generate n completions with the current policy;
 2. score them with the reward functions (summed into one reward each);
+   with a ``prompt_filter`` (DAPO), drop groups whose rewards are all equal and repeat 0-2 for more prompts,
+   at most ``max_num_gen_batches`` rounds, until the step has P groups that pass;
 3. select m of the n with a down-sampling rule (per group, never across groups);
 4. compute group-relative advantages over the m kept;
 5. compute the GRPO loss on the m kept only and take an optimizer step.
 
-GRPO is the special case m = n. ``accelerate`` supplies devices, DDP / DeepSpeed / FSDP, mixed precision,
+GRPO is the special case m = n. The prompt-level stages are pure functions in :mod:`pods.prompt_skip` and
+:mod:`pods.prompt_filter`, the rules in :mod:`pods.selection` (docs/selection.md). ``accelerate`` supplies devices, DDP / DeepSpeed / FSDP, mixed precision,
 trackers and state saving: each process generates and selects for its own prompts, so a group never
 spans processes, and gradients are synchronised as usual.
 """
@@ -39,8 +43,10 @@ from pods.distributed import (
     deepspeed_guards_non_finite_steps,
     exported_state_dict,
     gather,
+    synced_any,
     synced_max,
     synced_mean,
+    synced_sum,
 )
 from pods.errors import ConfigError, NonFiniteError
 from pods.evaluation import EvalResult, evaluate, next_evaluation_seconds
@@ -49,6 +55,16 @@ from pods.metrics import JsonlLog, StepTimer, peak_memory_mb, read_jsonl, reward
 from pods.models import Policy, load_policy, load_reference, local_model_folder
 from pods.optimization import build_optimizer, build_scheduler
 from pods.progress import TrainingProgress
+from pods.prompt_filter import SampledGroups, fill_groups
+from pods.prompt_skip import (
+    GresoSettings,
+    PromptHistory,
+    SkippedPrompts,
+    adapt_exploration,
+    group_outcomes,
+    record_outcomes,
+    skip_prompts,
+)
 from pods.registries import check_names
 from pods.rollout import Rollouts, SamplingParams, build_engine, choose_engine
 from pods.scoring import RewardFunction, reward_name, score_completions
@@ -201,6 +217,7 @@ class PODSTrainer:
         self.prompts = PromptStream(
             self.train_rows, cfg.prompts_per_step, cfg.seed, acc.process_index, acc.num_processes
         )
+        self.greso = GresoSettings(cfg.prompt_skip_target) if cfg.prompt_skip == "greso" else None
         if cfg.report_to:
             acc.init_trackers("pods", config={k: str(v) for k, v in cfg.to_dict().items()})
 
@@ -221,37 +238,53 @@ class PODSTrainer:
             while not self._finished(state) and not stop.agreed():
                 timer = StepTimer()
                 self._seed_step(state.step)
-                batch = self.prompts.batch(state.step)
                 n = self.auto.current if self.auto else cfg.num_generations
-
-                with timer("generate"):  # 1. n completions per prompt
-                    rollouts = self.engine.generate(self._render(batch), n, self.sampling)
-                with timer("score"):  # 2. one scalar reward per completion: [P, n]
-                    rewards, per_function = self._score(batch, rollouts)
-                with timer("select"):  # 3. m of n per group, and 4. advantages over the kept
-                    chosen = downsample(
-                        rewards,
+                candidates = self.prompts.candidates(state.step)  # the step's prompts, then refill draws
+                sampled = SampledGroups(cfg.prompt_filter, pad_id=self.tokenizer.pad_token_id or 0)
+                while self._generate_more(sampled):  # one round, or refill rounds for the prompt filter
+                    with timer("select"):  # 0. P prompts, skipping those predicted to give no signal
+                        prompts = self._choose_prompts(state, candidates, round_index=len(sampled.rounds))
+                    batch = [self.train_rows[index] for index in prompts.ids]
+                    with timer("generate"):  # 1. n completions per prompt
+                        rollouts = self.engine.generate(self._render(batch), n, self.sampling)
+                    with timer("score"):  # 2. one scalar reward per completion: [P, n]
+                        rewards, per_function = self._score(batch, rollouts)
+                    sampled.add(prompts.ids, rollouts, rewards, per_function, skipped=prompts.skipped)
+                with timer("select"):  # the step's P groups, those that passed the filter first
+                    groups = sampled.take(fill_groups(sampled.passed, cfg.prompts_per_step))
+                    chosen = downsample(  # 3. m of n per group, and 4. advantages over the kept
+                        groups.rewards,
                         m,
                         cfg.selection_rule,
                         scale=cfg.scale_rewards,
                         eps=cfg.advantage_eps,
                         generator=self._selection_generator(state.step),
                         gather=lambda values: gather(acc, values),
+                        lengths=groups.lengths,
                     )
-                    kept_rollouts = rollouts.select(chosen.rows)
+                    kept_rollouts = groups.rollouts.select(chosen.rows)
                 with timer("update"):  # 5. the GRPO update on the kept rows only
                     update = self._update(state, kept_rollouts, chosen.advantages.flatten())
                 with timer("sync"):  # the engine samples the next step from the new weights (no-op for hf)
                     self.engine.sync_weights(acc.unwrap_model(self.model))
 
+                skip_metrics = self._remember_prompts(state, sampled)  # GRESO's history, from every process
                 state.step += 1
                 state.train_seconds += synced_max(acc, timer.total)  # the slowest process sets the clock
+                everything = sampled.all  # metrics describe every group generated, over the refill rounds
                 metrics = self._step_metrics(
-                    state, timer, rollouts, rewards, chosen.rewards, per_function, update
+                    state,
+                    timer,
+                    everything.rollouts,
+                    everything.rewards,
+                    chosen.rewards,
+                    everything.per_function,
+                    update,
                 )
+                metrics.update(self._filter_metrics(sampled, n), **skip_metrics)
                 self.metrics_log.append(metrics)
                 if self.auto:
-                    self._auto_step(state, rewards, per_function, timer)
+                    self._auto_step(state, everything.rewards, everything.per_function, timer)
                 if cfg.report_to:
                     acc.log(metrics, step=state.step)
                 progress.update(state.step, state.train_seconds, metrics)
@@ -284,6 +317,64 @@ class PODSTrainer:
                 self.accelerator.end_training()
 
     # ------------------------------------------------------------------ step pieces
+    def _choose_prompts(self, state: TrainerState, candidates, round_index: int) -> SkippedPrompts:
+        """0. This round's P prompts: the next candidates, or with ``prompt_skip: greso`` those its history keeps
+        (draws seeded by seed, step, process and round, so that a resumed run skips the same)."""
+        if self.greso is None:
+            return SkippedPrompts(ids=next(candidates), skipped=0)
+        history = PromptHistory.from_state(state.prompt_history, self.greso)
+        generator = self._skip_generator(state.step, round_index)
+        return skip_prompts(candidates, history, self.greso, self.config.prompts_per_step, generator)
+
+    def _generate_more(self, sampled: SampledGroups) -> bool:
+        """Whether the step runs another round of stages 0-2: the first always; with a ``prompt_filter``, while
+        any process has fewer than P groups that pass and fewer than ``max_num_gen_batches`` rounds ran (every
+        process runs the same rounds: engines and reward gathering may need all of them)."""
+        cfg = self.config
+        if not sampled.rounds:
+            return True
+        if cfg.prompt_filter == "none" or len(sampled.rounds) >= cfg.max_num_gen_batches:
+            return False
+        return synced_any(self.accelerator, sampled.num_passed < cfg.prompts_per_step)
+
+    def _remember_prompts(self, state: TrainerState, sampled: SampledGroups) -> dict[str, float]:
+        """``prompt_skip: greso``: add every process's groups of this step to the per-prompt history, adapt the
+        exploration rates (past the first epoch, as GRESO), and return the skip metrics."""
+        if self.greso is None:
+            return {}
+        acc = self.accelerator
+        outcomes = gather(acc, group_outcomes(sampled.rewards, self.greso.solved_reward)).tolist()
+        ids = gather(acc, torch.tensor(sampled.ids, dtype=torch.long)).tolist()
+        history = record_outcomes(PromptHistory.from_state(state.prompt_history, self.greso), ids, outcomes)
+        if self.prompts.epoch(state.step) >= 1:
+            history = adapt_exploration(history, outcomes, self.greso)
+        state.prompt_history = history.to_state()
+        skipped = int(synced_sum(acc, torch.tensor(sampled.skipped)))
+        return {
+            "pods/skip/prompts_skipped": skipped,
+            "pods/skip/rollouts_saved": skipped * sampled.rounds[0].rewards.shape[1],
+            "pods/skip/exploration_solved": state.prompt_history["exploration_solved"],
+            "pods/skip/exploration_failed": state.prompt_history["exploration_failed"],
+        }
+
+    def _filter_metrics(self, sampled: SampledGroups, n: int) -> dict[str, float]:
+        """``prompt_filter``: rounds run, groups dropped, rollouts generated in refill rounds, and groups trained on
+        without a signal because the bound was hit, summed over processes."""
+        if self.config.prompt_filter == "none":
+            return {}
+        wanted, passed = self.config.prompts_per_step, sampled.num_passed
+        unfilled = max(wanted - passed, 0)  # slots filled with groups that failed the filter
+        failed = len(sampled.ids) - passed
+        extra = (len(sampled.rounds) - 1) * wanted * n
+        counts = torch.tensor([failed - unfilled, extra, unfilled])
+        dropped, extra, unfilled = synced_sum(self.accelerator, counts).tolist()
+        return {
+            "pods/filter/num_gen_batches": len(sampled.rounds),
+            "pods/filter/groups_dropped": int(dropped),
+            "pods/filter/extra_rollouts": int(extra),
+            "pods/filter/groups_unfilled": int(unfilled),
+        }
+
     def _render(self, batch: list[dict[str, Any]]) -> list[str]:
         from pods.prompts import render_prompt
 
@@ -499,6 +590,13 @@ class PODSTrainer:
     def _seed_step(self, step: int) -> None:
         """Reseed per step (and process): sampling after a resume matches an uninterrupted run exactly."""
         torch.manual_seed((self.config.seed * 1_000_003 + step) * 64 + self.accelerator.process_index)
+
+    def _skip_generator(self, step: int, round_index: int) -> torch.Generator:
+        """GRESO's draws for one round of one step on this process (no state to checkpoint)."""
+        process = self.accelerator.process_index
+        return torch.Generator().manual_seed(
+            ((self.config.seed * 1_000_003 + step) * 64 + process) * 1_009 + round_index
+        )
 
     def _selection_generator(self, step: int) -> torch.Generator:
         return torch.Generator().manual_seed(
