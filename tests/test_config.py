@@ -63,6 +63,8 @@ def test_parse_overrides() -> None:
         ({"reward_funcs": ["accuracy"], "reward_weights": [1.0, 2.0]}, "2 weights for 1 reward_funcs"),
         ({"progress": "yes"}, "progress must be bool"),
         ({"temperature": -1}, "temperature"),
+        ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size: must be 1.*accelerate launch"),
+        ({"vllm_max_num_batched_tokens": 0}, "vllm_max_num_batched_tokens: must be at least 1"),
     ],
 )
 def test_bad_settings_name_the_key(values: dict, message: str) -> None:
@@ -71,12 +73,14 @@ def test_bad_settings_name_the_key(values: dict, message: str) -> None:
 
 
 def test_registry_names_are_checked() -> None:
+    from pods.registries import check_names
+
     with pytest.raises(ConfigError, match=r"selection_rule: unknown value 'best'.*max_variance"):
-        TrainConfig(selection_rule="best").check_names()
+        check_names(TrainConfig(selection_rule="best"))
     with pytest.raises(ConfigError, match="reward_funcs: unknown value 'speed'"):
-        TrainConfig(reward_funcs=["speed"]).check_names()
+        check_names(TrainConfig(reward_funcs=["speed"]))
     with pytest.raises(ConfigError, match="task: unknown value 'chess'"):
-        TrainConfig(task="chess").check_names()
+        check_names(TrainConfig(task="chess"))
 
 
 def test_bad_yaml_files(tmp_path: Path) -> None:

@@ -4,8 +4,11 @@ so that a resumed run has no duplicated or missing rows; and the reward metrics 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import resource
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +97,29 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
             value = None
         clean[key] = value
     return clean
+
+
+class StepTimer:
+    """Seconds spent in each phase of a step: ``with timer("generate"): ...``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+def peak_memory_mb() -> float:
+    """Peak accelerator memory since the last call (GPU), else the process's peak resident memory (CPU)."""
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pods.config import ConfigError
+from pods.errors import ConfigError
 
 __all__ = ["DEFAULT_PLAIN_TEMPLATE", "PROMPT_STYLES", "THINK_SYSTEM_PROMPT", "make_prompt", "render_prompt"]
 

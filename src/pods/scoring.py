@@ -8,11 +8,9 @@ from typing import Any
 
 import torch
 
+from pods.errors import RewardFunctionError
+
 RewardFunction = Callable[..., Sequence[float | None]]
-
-
-class RewardFunctionError(RuntimeError):
-    """A reward function raised or returned something unusable; names the function and the sample."""
 
 
 def reward_name(fn: RewardFunction) -> str:

@@ -1,12 +1,16 @@
 """The PODS trainer. One step, per prompt (a group), reads top to bottom in :meth:`PODSTrainer.train`:
 
+0. choose the step's prompts, skipping those predicted to give all-equal rewards (``prompt_skip``, GRESO);
 1. generate n completions with the current policy;
 2. score them with the reward functions (summed into one reward each);
+   with a ``prompt_filter`` (DAPO), drop groups whose rewards are all equal and repeat 0-2 for more prompts,
+   at most ``max_num_gen_batches`` rounds, until the step has P groups that pass;
 3. select m of the n with a down-sampling rule (per group, never across groups);
 4. compute group-relative advantages over the m kept;
 5. compute the GRPO loss on the m kept only and take an optimizer step.
 
-GRPO is the special case m = n. ``accelerate`` supplies devices, DDP / DeepSpeed / FSDP, mixed precision,
+GRPO is the special case m = n. The prompt-level stages are pure functions in :mod:`pods.prompt_skip` and
+:mod:`pods.prompt_filter`, the rules in :mod:`pods.selection` (docs/selection.md). ``accelerate`` supplies devices, DDP / DeepSpeed / FSDP, mixed precision,
 trackers and state saving: each process generates and selects for its own prompts, so a group never
 spans processes, and gradients are synchronised as usual.
 """
@@ -14,10 +18,6 @@ spans processes, and gradients are synchronised as usual.
 from __future__ import annotations
 
 import contextlib
-import math
-import resource
-import sys
-import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -30,27 +30,47 @@ from pods.auto_generations import AutoGenerations
 from pods.checkpoint import (
     STATE_FILE,
     TrainerState,
-    checkpoint_problem,
-    latest_checkpoint,
-    list_checkpoint_folders,
-    load_checkpoint,
-    newest_intact_checkpoint,
-    remove_partial_checkpoints,
+    adapter_only_checkpoints,
+    base_model_identity,
+    checkpoint_to_resume,
+    resume_checkpoint,
     save_checkpoint,
 )
-from pods.config import ConfigError, TrainConfig
-from pods.evaluation import EvalResult, evaluate
+from pods.config import TrainConfig
+from pods.data.stream import PromptStream
+from pods.distributed import (
+    deepspeed_batch_settings,
+    deepspeed_guards_non_finite_steps,
+    exported_state_dict,
+    gather,
+    synced_any,
+    synced_max,
+    synced_mean,
+    synced_sum,
+)
+from pods.errors import ConfigError, NonFiniteError
+from pods.evaluation import EvalResult, evaluate, next_evaluation_seconds
 from pods.interrupts import StopRequests, TrainingStopped
-from pods.loss import completion_logprobs, mean_abs_difference, policy_loss, truncated_importance_weights
-from pods.metrics import JsonlLog, read_jsonl, reward_metrics
-from pods.models import Policy, load_policy, load_reference
+from pods.metrics import JsonlLog, StepTimer, peak_memory_mb, read_jsonl, reward_metrics
+from pods.models import Policy, load_policy, load_reference, local_model_folder
+from pods.optimization import build_optimizer, build_scheduler
 from pods.progress import TrainingProgress
+from pods.prompt_filter import SampledGroups, fill_groups
+from pods.prompt_skip import (
+    GresoSettings,
+    PromptHistory,
+    SkippedPrompts,
+    adapt_exploration,
+    group_outcomes,
+    record_outcomes,
+    skip_prompts,
+)
+from pods.registries import check_names
 from pods.rollout import Rollouts, SamplingParams, build_engine, choose_engine
 from pods.scoring import RewardFunction, reward_name, score_completions
+from pods.update import NonFiniteGuard, policy_update
 
-
-class NonFiniteError(RuntimeError):
-    """``max_consecutive_skips`` optimizer steps in a row had a non-finite loss or gradient norm."""
+__all__ = ["NonFiniteError", "PODSTrainer", "TrainResult", "TrainingStopped", "train"]
 
 
 @dataclass
@@ -68,53 +88,6 @@ class TrainResult:
     @property
     def last_eval(self) -> dict[str, Any] | None:
         return self.evals[-1] if self.evals else None
-
-
-class PromptStream:
-    """The prompts of each step, as a pure function of the step: exact resume needs no data state.
-
-    Epoch e visits the rows in a permutation seeded by (seed, e); process r of W takes its own
-    ``prompts_per_step`` consecutive prompts of the step's global slice.
-    """
-
-    def __init__(self, rows: list[dict[str, Any]], prompts_per_step: int, seed: int, rank: int, world: int):
-        if not rows:
-            raise ConfigError(
-                "the training set is empty (check task, task_source, train_limit, max_prompt_length)"
-            )
-        self.rows, self.per_step, self.seed, self.rank, self.world = rows, prompts_per_step, seed, rank, world
-        self._orders: dict[int, list[int]] = {}
-
-    def batch(self, step: int) -> list[dict[str, Any]]:
-        first = (step * self.world + self.rank) * self.per_step
-        return [self.rows[self._index(position)] for position in range(first, first + self.per_step)]
-
-    def epoch(self, step: int) -> float:
-        return step * self.world * self.per_step / len(self.rows)
-
-    def _index(self, position: int) -> int:
-        epoch, offset = divmod(position, len(self.rows))
-        if epoch not in self._orders:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._orders = {epoch: torch.randperm(len(self.rows), generator=generator).tolist()}
-        return self._orders[epoch][offset]
-
-
-class StepTimer:
-    """Seconds spent in each phase of a step."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        start = time.perf_counter()
-        yield
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-    @property
-    def total(self) -> float:
-        return sum(self.seconds.values())
 
 
 class PODSTrainer:
@@ -135,7 +108,7 @@ class PODSTrainer:
 
         self.config = cfg = config
         if reward_funcs is None:
-            cfg.check_names()
+            check_names(cfg)
             from pods.rewards import get_reward_functions
 
             self.task = get_task(cfg.task)
@@ -197,17 +170,22 @@ class PODSTrainer:
         self.accuracy_fn = get_task(cfg.eval_task or cfg.task).accuracy_function()
 
         trainable = [p for p in self.policy.model.parameters() if p.requires_grad]
-        optimizer = self._make_optimizer(trainable)
-        self.scheduler = self._make_scheduler(optimizer)
+        optimizer = build_optimizer(cfg, trainable, deepspeed=acc.state.deepspeed_plugin is not None)
+        self.scheduler = build_scheduler(cfg, optimizer)
         deepspeed_batch_settings(acc, cfg.micro_batch_size, micro_batches, cfg.max_grad_norm)
         self.model, self.optimizer = acc.prepare(self.policy.model, optimizer)
+        deepspeed_guards_non_finite_steps(self.model)
+        self.base_model = None  # a LoRA run's frozen base: its checkpoints hold the adapter only
+        if self.policy.is_lora and acc.state.deepspeed_plugin is None:
+            self.base_model = base_model_identity(cfg.model, local_model_folder(cfg.model))
+            adapter_only_checkpoints(acc, self.base_model)
         self.reference = None
         if cfg.beta > 0 and not self.policy.is_lora:
             self.reference = load_reference(cfg).to(acc.device)
 
         try:  # config.yaml records the engine that runs, whatever was asked
             cfg.rollout_engine, self.engine_reason = choose_engine(
-                cfg.rollout_engine, model=self.policy.model, load_in_4bit=cfg.load_in_4bit
+                cfg.rollout_engine, model=self.policy.model
             )
         except ValueError as error:
             raise ConfigError(str(error)) from None
@@ -223,8 +201,8 @@ class PODSTrainer:
                 "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization,
                 "max_model_length": cfg.vllm_max_model_length
                 or (cfg.max_prompt_length and cfg.max_prompt_length + cfg.max_completion_length),
-                "tensor_parallel_size": cfg.vllm_tensor_parallel_size,
                 "enable_sleep_mode": cfg.vllm_enable_sleep_mode,
+                "max_num_batched_tokens": cfg.vllm_max_num_batched_tokens,
                 "kv_cache_gb": cfg.vllm_cpu_kv_cache_gb,
                 "seed": cfg.seed + acc.process_index,
             },
@@ -239,6 +217,7 @@ class PODSTrainer:
         self.prompts = PromptStream(
             self.train_rows, cfg.prompts_per_step, cfg.seed, acc.process_index, acc.num_processes
         )
+        self.greso = GresoSettings(cfg.prompt_skip_target) if cfg.prompt_skip == "greso" else None
         if cfg.report_to:
             acc.init_trackers("pods", config={k: str(v) for k, v in cfg.to_dict().items()})
 
@@ -250,7 +229,7 @@ class PODSTrainer:
         self.engine.sync_weights(acc.unwrap_model(self.model))  # the resumed weights, for vLLM
         if self.auto and state.step == 0:
             self.auto_log.append({"kind": "decision", **self.auto.first_decision().to_dict()})
-        stop = StopRequests(reduce_max=self._synced_max if acc.num_processes > 1 else None)
+        stop = StopRequests(reduce_max=(lambda v: int(synced_max(acc, v))) if acc.num_processes > 1 else None)
         progress = TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time)
         with stop, progress, self._trackers():
             progress.message(f"rollout engine: {cfg.rollout_engine} ({self.engine_reason})")
@@ -259,37 +238,53 @@ class PODSTrainer:
             while not self._finished(state) and not stop.agreed():
                 timer = StepTimer()
                 self._seed_step(state.step)
-                batch = self.prompts.batch(state.step)
                 n = self.auto.current if self.auto else cfg.num_generations
-
-                with timer("generate"):  # 1. n completions per prompt
-                    rollouts = self.engine.generate(self._render(batch), n, self.sampling)
-                with timer("score"):  # 2. one scalar reward per completion: [P, n]
-                    rewards, per_function = self._score(batch, rollouts)
-                with timer("select"):  # 3. m of n per group, and 4. advantages over the kept
-                    chosen = downsample(
-                        rewards,
+                candidates = self.prompts.candidates(state.step)  # the step's prompts, then refill draws
+                sampled = SampledGroups(cfg.prompt_filter, pad_id=self.tokenizer.pad_token_id or 0)
+                while self._generate_more(sampled):  # one round, or refill rounds for the prompt filter
+                    with timer("select"):  # 0. P prompts, skipping those predicted to give no signal
+                        prompts = self._choose_prompts(state, candidates, round_index=len(sampled.rounds))
+                    batch = [self.train_rows[index] for index in prompts.ids]
+                    with timer("generate"):  # 1. n completions per prompt
+                        rollouts = self.engine.generate(self._render(batch), n, self.sampling)
+                    with timer("score"):  # 2. one scalar reward per completion: [P, n]
+                        rewards, per_function = self._score(batch, rollouts)
+                    sampled.add(prompts.ids, rollouts, rewards, per_function, skipped=prompts.skipped)
+                with timer("select"):  # the step's P groups, those that passed the filter first
+                    groups = sampled.take(fill_groups(sampled.passed, cfg.prompts_per_step))
+                    chosen = downsample(  # 3. m of n per group, and 4. advantages over the kept
+                        groups.rewards,
                         m,
                         cfg.selection_rule,
                         scale=cfg.scale_rewards,
                         eps=cfg.advantage_eps,
                         generator=self._selection_generator(state.step),
-                        gather=self._gather,
+                        gather=lambda values: gather(acc, values),
+                        lengths=groups.lengths,
                     )
-                    kept_rollouts = rollouts.select(chosen.rows)
+                    kept_rollouts = groups.rollouts.select(chosen.rows)
                 with timer("update"):  # 5. the GRPO update on the kept rows only
                     update = self._update(state, kept_rollouts, chosen.advantages.flatten())
                 with timer("sync"):  # the engine samples the next step from the new weights (no-op for hf)
                     self.engine.sync_weights(acc.unwrap_model(self.model))
 
+                skip_metrics = self._remember_prompts(state, sampled)  # GRESO's history, from every process
                 state.step += 1
-                state.train_seconds += self._synced(timer.total)
+                state.train_seconds += synced_max(acc, timer.total)  # the slowest process sets the clock
+                everything = sampled.all  # metrics describe every group generated, over the refill rounds
                 metrics = self._step_metrics(
-                    state, timer, rollouts, rewards, chosen.rewards, per_function, update
+                    state,
+                    timer,
+                    everything.rollouts,
+                    everything.rewards,
+                    chosen.rewards,
+                    everything.per_function,
+                    update,
                 )
+                metrics.update(self._filter_metrics(sampled, n), **skip_metrics)
                 self.metrics_log.append(metrics)
                 if self.auto:
-                    self._auto_step(state, rewards, per_function, timer)
+                    self._auto_step(state, everything.rewards, everything.per_function, timer)
                 if cfg.report_to:
                     acc.log(metrics, step=state.step)
                 progress.update(state.step, state.train_seconds, metrics)
@@ -303,7 +298,7 @@ class PODSTrainer:
             if (
                 not stopped
                 and state.last_eval_seconds != state.train_seconds
-                and (cfg.eval_at_start or cfg.eval_every_seconds)
+                and (cfg.eval_at_start or cfg.eval_every_seconds or cfg.eval_at_seconds)
             ):
                 self._evaluate(state, progress)
             checkpoint = self._save(state) if cfg.save_final or stopped else None
@@ -322,6 +317,64 @@ class PODSTrainer:
                 self.accelerator.end_training()
 
     # ------------------------------------------------------------------ step pieces
+    def _choose_prompts(self, state: TrainerState, candidates, round_index: int) -> SkippedPrompts:
+        """0. This round's P prompts: the next candidates, or with ``prompt_skip: greso`` those its history keeps
+        (draws seeded by seed, step, process and round, so that a resumed run skips the same)."""
+        if self.greso is None:
+            return SkippedPrompts(ids=next(candidates), skipped=0)
+        history = PromptHistory.from_state(state.prompt_history, self.greso)
+        generator = self._skip_generator(state.step, round_index)
+        return skip_prompts(candidates, history, self.greso, self.config.prompts_per_step, generator)
+
+    def _generate_more(self, sampled: SampledGroups) -> bool:
+        """Whether the step runs another round of stages 0-2: the first always; with a ``prompt_filter``, while
+        any process has fewer than P groups that pass and fewer than ``max_num_gen_batches`` rounds ran (every
+        process runs the same rounds: engines and reward gathering may need all of them)."""
+        cfg = self.config
+        if not sampled.rounds:
+            return True
+        if cfg.prompt_filter == "none" or len(sampled.rounds) >= cfg.max_num_gen_batches:
+            return False
+        return synced_any(self.accelerator, sampled.num_passed < cfg.prompts_per_step)
+
+    def _remember_prompts(self, state: TrainerState, sampled: SampledGroups) -> dict[str, float]:
+        """``prompt_skip: greso``: add every process's groups of this step to the per-prompt history, adapt the
+        exploration rates (past the first epoch, as GRESO), and return the skip metrics."""
+        if self.greso is None:
+            return {}
+        acc = self.accelerator
+        outcomes = gather(acc, group_outcomes(sampled.rewards, self.greso.solved_reward)).tolist()
+        ids = gather(acc, torch.tensor(sampled.ids, dtype=torch.long)).tolist()
+        history = record_outcomes(PromptHistory.from_state(state.prompt_history, self.greso), ids, outcomes)
+        if self.prompts.epoch(state.step) >= 1:
+            history = adapt_exploration(history, outcomes, self.greso)
+        state.prompt_history = history.to_state()
+        skipped = int(synced_sum(acc, torch.tensor(sampled.skipped)))
+        return {
+            "pods/skip/prompts_skipped": skipped,
+            "pods/skip/rollouts_saved": skipped * sampled.rounds[0].rewards.shape[1],
+            "pods/skip/exploration_solved": state.prompt_history["exploration_solved"],
+            "pods/skip/exploration_failed": state.prompt_history["exploration_failed"],
+        }
+
+    def _filter_metrics(self, sampled: SampledGroups, n: int) -> dict[str, float]:
+        """``prompt_filter``: rounds run, groups dropped, rollouts generated in refill rounds, and groups trained on
+        without a signal because the bound was hit, summed over processes."""
+        if self.config.prompt_filter == "none":
+            return {}
+        wanted, passed = self.config.prompts_per_step, sampled.num_passed
+        unfilled = max(wanted - passed, 0)  # slots filled with groups that failed the filter
+        failed = len(sampled.ids) - passed
+        extra = (len(sampled.rounds) - 1) * wanted * n
+        counts = torch.tensor([failed - unfilled, extra, unfilled])
+        dropped, extra, unfilled = synced_sum(self.accelerator, counts).tolist()
+        return {
+            "pods/filter/num_gen_batches": len(sampled.rounds),
+            "pods/filter/groups_dropped": int(dropped),
+            "pods/filter/extra_rollouts": int(extra),
+            "pods/filter/groups_unfilled": int(unfilled),
+        }
+
     def _render(self, batch: list[dict[str, Any]]) -> list[str]:
         from pods.prompts import render_prompt
 
@@ -350,148 +403,19 @@ class PODSTrainer:
         return total.view(shape), {name: values.view(shape) for name, values in per_function.items()}
 
     def _update(self, state: TrainerState, batch: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
-        """Gradient steps on the kept rows: micro-batches accumulated, ``num_iterations`` passes."""
-        cfg, acc, model = self.config, self.accelerator, self.model
-        device = acc.device
-        prompt_ids, prompt_mask = batch.prompt_ids.to(device), batch.prompt_mask.to(device)
-        completion_ids, mask = batch.completion_ids.to(device), batch.completion_mask.to(device)
-        advantages = advantages.to(device=device, dtype=torch.float32)
-        rows, micro = completion_ids.shape[0], cfg.micro_batch_size
-        temperature = cfg.temperature if cfg.temperature > 0 else 1.0
-        # dapo divides by the tokens of the whole batch across processes; DDP averages gradients.
-        total_tokens = self._synced_sum(mask.sum().double()) / acc.num_processes
-
-        def logprobs_of(net: torch.nn.Module, part: slice) -> torch.Tensor:
-            return completion_logprobs(
-                net,
-                prompt_ids[part],
-                prompt_mask[part],
-                completion_ids[part],
-                mask[part],
-                temperature=temperature,
-            )
-
-        parts = [slice(start, start + micro) for start in range(0, rows, micro)]
-        sampling_logprobs = batch.sampling_logprobs
-        correct = cfg.vllm_importance_sampling_correction and sampling_logprobs is not None
-        # Old and reference log-probs: always in evaluation mode (no dropout), at every step. The first pass
-        # is on-policy (ratio exactly 1, as with num_iterations = 1); later passes use the old log-probs.
-        old_logprobs = ref_logprobs = None
-        model.eval()
-        if cfg.num_iterations > 1:
-            with torch.no_grad():
-                old_logprobs = torch.cat([logprobs_of(model, part) for part in parts])
-        if cfg.beta > 0:
-            # Under the policy's mixed precision: accelerate autocasts the prepared policy, not this copy.
-            with torch.no_grad(), acc.autocast(), self._reference() as reference:
-                ref_logprobs = torch.cat([logprobs_of(reference, part) for part in parts])
-
-        model.train()
-        statistics = {
-            "kl": "kl",
-            "clip_ratio/low_mean": "clip_low_fraction",
-            "clip_ratio/high_mean": "clip_high_fraction",
-            "clip_ratio/region_mean": "clip_fraction",
-        }
-        loss = 0.0
-        # Token-weighted sums of the statistics, and the token count: averages over tokens (all micro-batches,
-        # passes and processes), so they do not depend on micro_batch_size.
-        sums = torch.zeros(len(statistics) + 1, dtype=torch.float64)
-        grad_norms, finite, mismatch = [], True, []
-        sampler_weights: dict[int, torch.Tensor] = {}  # per micro-batch, from the first pass
-        for iteration in range(cfg.num_iterations):
-            for part in parts:
-                # accelerate syncs gradients (DDP / DeepSpeed / FSDP) and lets the optimizer step only on
-                # the last micro-batch of each pass; it divides the loss by the number of micro-batches,
-                # which our loss already accounts for (each part is its share of the batch loss).
-                with acc.accumulate(model):
-                    logprobs = logprobs_of(model, part)
-                    if sampling_logprobs is not None and part.start not in sampler_weights:
-                        # first pass: the trainer's log-probs before this update against the sampler's
-                        before = logprobs if old_logprobs is None else old_logprobs[part]
-                        sampler_weights[part.start] = truncated_importance_weights(
-                            before, sampling_logprobs[part], mask[part], cfg.vllm_importance_sampling_cap
-                        )
-                        mismatch.append(mean_abs_difference(before, sampling_logprobs[part], mask[part]))
-                    out = policy_loss(
-                        logprobs,
-                        advantages[part],
-                        mask[part],
-                        old_logprobs=None if iteration == 0 else old_logprobs[part],
-                        ref_logprobs=None if ref_logprobs is None else ref_logprobs[part],
-                        importance_weights=sampler_weights.get(part.start) if correct else None,
-                        epsilon=cfg.epsilon,
-                        epsilon_high=cfg.epsilon_high,
-                        beta=cfg.beta,
-                        loss_type=cfg.loss_type,
-                        total_sequences=rows,
-                        total_tokens=float(total_tokens),
-                        max_completion_length=cfg.max_completion_length,
-                    )
-                    acc.backward(out.loss * acc.gradient_accumulation_steps)
-                    finite = finite and math.isfinite(out.loss.item())
-                    if acc.sync_gradients:
-                        grad_norm = float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-                        grad_norms.append(grad_norm)
-                        # fp16: the GradScaler skips overflowing steps itself and lowers its scale.
-                        usable = acc.scaler is not None or self._step_is_finite(
-                            state, finite and math.isfinite(grad_norm)
-                        )
-                        if usable:
-                            self.optimizer.step()
-                            self.scheduler.step()
-                        finite = True
-                    self.optimizer.zero_grad(set_to_none=True)  # accelerate clears only after a sync
-                loss += out.loss.item() / cfg.num_iterations
-                tokens = out.num_tokens.item()
-                sums += torch.tensor(
-                    [getattr(out, a).item() * tokens for a in statistics.values()] + [tokens]
-                )
-        sums = self._synced_sum(sums.to(device)).cpu()
-        means = {name: float(sums[i] / max(float(sums[-1]), 1.0)) for i, name in enumerate(statistics)}
-        # TRL's names: how far the sampler's log-probs are from the trainer's, over all processes
-        if mismatch:
-            ratios = [
-                (w.sum() / mask[slice(s, s + micro)].sum().clamp_min(1)).item()
-                for s, w in sampler_weights.items()
-            ]
-            totals = torch.tensor(
-                [sum(mismatch), len(mismatch), sum(ratios), len(ratios)], dtype=torch.float64
-            )
-            totals = self._synced_sum(totals.to(device)).cpu()
-            means["sampling/sampling_logp_difference/mean"] = float(totals[0] / totals[1])
-            means["sampling/importance_sampling_ratio/mean"] = float(totals[2] / totals[3])
-        return {"loss": loss, **means, "grad_norm": sum(grad_norms) / len(grad_norms)}
-
-    def _step_is_finite(self, state: TrainerState, finite: bool) -> bool:
-        """The non-finite guard: a NaN/inf loss or gradient norm on any process skips the optimizer step
-        (weights, optimizer and scheduler unchanged); ``max_consecutive_skips`` in a row end the run."""
-        if self.accelerator.num_processes > 1:
-            finite = not self._synced_max(int(not finite))
-        if finite:
-            state.consecutive_skips = 0
-            return True
-        state.skipped_steps += 1
-        state.consecutive_skips += 1
-        limit = self.config.max_consecutive_skips
-        if state.consecutive_skips >= limit:
-            raise NonFiniteError(
-                f"{limit} optimizer steps in a row had a non-finite (NaN or infinite) loss or gradient norm, "
-                f"at training step {state.step + 1}; they were skipped, so the weights are those of the last "
-                f"good step and the checkpoints in {self.checkpoint_root} are intact. Lower learning_rate or "
-                "max_grad_norm, or train in float32 (mixed_precision: no); max_consecutive_skips sets this limit"
-            )
-        return False
-
-    @contextlib.contextmanager
-    def _reference(self):
-        """The KL reference: the base with the LoRA adapter disabled, or a frozen copy for full fine-tuning."""
-        if self.reference is not None:
-            yield self.reference
-        else:
-            unwrapped = self.accelerator.unwrap_model(self.model)
-            with unwrapped.disable_adapter():
-                yield unwrapped
+        """5. Gradient steps on the kept rows (:func:`pods.update.policy_update`)."""
+        guard = NonFiniteGuard(state, self.config.max_consecutive_skips, self.checkpoint_root)
+        return policy_update(
+            self.accelerator,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            advantages,
+            self.config,
+            guard,
+            reference=self.reference,
+        )
 
     # ------------------------------------------------------------------ metrics
     def _step_metrics(
@@ -505,11 +429,11 @@ class PODSTrainer:
         update: dict[str, float],
     ) -> dict[str, Any]:
         acc = self.accelerator
-        gather = lambda t: acc.gather(t.to(acc.device)).cpu()  # noqa: E731 - equal shapes on every process
-        all_rewards, kept = gather(rewards), gather(kept_rewards)
-        lengths = gather(rollouts.completion_mask.sum(dim=1).double())
-        truncated = gather(rollouts.truncated.double())
-        step_seconds = self._synced(timer.total)
+        everywhere = lambda t: gather(acc, t).cpu()  # noqa: E731 - equal shapes on every process
+        all_rewards, kept = everywhere(rewards), everywhere(kept_rewards)
+        lengths = everywhere(rollouts.completion_mask.sum(dim=1).double())
+        truncated = everywhere(rollouts.truncated.double())
+        step_seconds = synced_max(acc, timer.total)
         metrics: dict[str, Any] = {
             "step": state.step,
             "epoch": round(self.prompts.epoch(state.step), 4),
@@ -519,7 +443,7 @@ class PODSTrainer:
             "skipped_steps": state.skipped_steps,
         }
         for name, values in per_function.items():
-            values = gather(values)
+            values = everywhere(values)
             metrics[f"rewards/{name}/mean"] = values.nanmean().item()
             metrics[f"rewards/{name}/std"] = nanstd(values.reshape(1, -1), dim=1).item()
         metrics.update(
@@ -529,19 +453,19 @@ class PODSTrainer:
                 "completions/max_length": lengths.max().item(),
                 "completions/clipped_ratio": truncated.mean().item(),
                 "learning_rate": self.scheduler.get_last_lr()[0],
-                **{key: self._synced_mean(value) for key, value in update.items()},
+                **{key: synced_mean(acc, value) for key, value in update.items()},
             }
         )
         accuracy_name = reward_name(self.accuracy_fn)
         if accuracy_name in per_function:
             metrics["accuracy"] = (
-                (gather(torch.nan_to_num(per_function[accuracy_name])) > 0.5).double().mean().item()
+                (everywhere(torch.nan_to_num(per_function[accuracy_name])) > 0.5).double().mean().item()
             )
         for phase, seconds in timer.seconds.items():
-            metrics[f"seconds_{phase}"] = round(self._synced(seconds), 4)
+            metrics[f"seconds_{phase}"] = round(synced_max(acc, seconds), 4)
         metrics["seconds_step"] = round(step_seconds, 4)
         metrics["tokens_per_second"] = round(lengths.sum().item() / max(step_seconds, 1e-9), 1)
-        metrics["peak_memory_mb"] = round(_peak_memory_mb(), 1)
+        metrics["peak_memory_mb"] = round(peak_memory_mb(), 1)
         return metrics
 
     def _auto_step(
@@ -554,38 +478,13 @@ class PODSTrainer:
         """``num_generations: auto``: record this step's successes per group (the accuracy reward above
         0.5, else the summed reward above 0.5) and timings, over every process; re-decide n when due."""
         scores = torch.nan_to_num(per_function.get(reward_name(self.accuracy_fn), rewards))
-        successes = self._gather((scores > 0.5).sum(dim=1)).cpu().tolist()
-        generate = self._synced(sum(timer.seconds.get(k, 0.0) for k in ("generate", "score", "select")))
-        other = self._synced(timer.seconds.get("update", 0.0))
-        self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, generate, other))
+        acc = self.accelerator
+        successes = gather(acc, (scores > 0.5).sum(dim=1)).cpu().tolist()
+        seconds = {phase: synced_max(acc, value) for phase, value in sorted(timer.seconds.items())}
+        self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, seconds))
         decision = self.auto.decide(state.step)
         if decision is not None:
             self.auto_log.append({"kind": "decision", **decision.to_dict()})
-
-    def _gather(self, values: torch.Tensor) -> torch.Tensor:
-        """Every process's ``values`` (equal shapes), concatenated along the first dimension."""
-        if self.accelerator.num_processes == 1:
-            return values
-        return self.accelerator.gather(values.to(self.accelerator.device)).to(values.device)
-
-    def _synced(self, seconds: float) -> float:
-        """The slowest process's value, so every process takes the same clock-based decisions."""
-        if self.accelerator.num_processes == 1:
-            return seconds
-        value = torch.tensor(seconds, dtype=torch.float64, device=self.accelerator.device)
-        return float(self.accelerator.reduce(value, "max"))
-
-    def _synced_max(self, value: int) -> int:
-        return int(self.accelerator.reduce(torch.tensor(value, device=self.accelerator.device), "max"))
-
-    def _synced_sum(self, value: torch.Tensor) -> torch.Tensor:
-        if self.accelerator.num_processes == 1:
-            return value
-        return self.accelerator.reduce(value.to(self.accelerator.device), "sum")
-
-    def _synced_mean(self, value: float) -> float:
-        total = self._synced_sum(torch.tensor(value, dtype=torch.float64))
-        return float(total) / self.accelerator.num_processes
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, state: TrainerState, progress: TrainingProgress) -> EvalResult | None:
@@ -622,30 +521,34 @@ class PODSTrainer:
         return result
 
     def _eval_due(self, state: TrainerState) -> bool:
-        every = self.config.eval_every_seconds
-        if every is None:
-            return False
-        return state.train_seconds - (state.last_eval_seconds or 0.0) >= every and not self._finished(state)
+        """At the first step that reaches a scheduled training time (``eval_at_seconds``, multiples of
+        ``eval_every_seconds``) not yet evaluated; the last step's evaluation follows the loop."""
+        cfg = self.config
+        due = next_evaluation_seconds(state.last_eval_seconds, cfg.eval_every_seconds, cfg.eval_at_seconds)
+        return due is not None and state.train_seconds >= due and not self._finished(state)
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, state: TrainerState) -> Path:
         if self._saved is not None and self._saved[0] == state.step:
             return self._saved[1]  # already saved (or resumed from) at this step
         state.last_save_seconds = state.train_seconds
+        weights = exported_state_dict(self.accelerator, self.model)  # every process: gathers under ZeRO-3
         folder = save_checkpoint(
             self.accelerator,
             self.checkpoint_root,
             state,
             self.config.save_total_limit,
-            export=self._export,
+            export=lambda folder: self._export(folder, weights),
             scheduler=self.scheduler,
+            base_model=self.base_model,
         )
         self._saved = (state.step, folder)
         return folder
 
-    def _export(self, folder: Path) -> None:
-        """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``."""
-        self.accelerator.unwrap_model(self.model).save_pretrained(folder)
+    def _export(self, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``; ``weights``
+        are the gathered ones under ZeRO-3 (peft keeps the adapter's out of a full state dict itself)."""
+        self.accelerator.unwrap_model(self.model).save_pretrained(folder, state_dict=weights)
         self.tokenizer.save_pretrained(folder)
 
     def _save_due(self, state: TrainerState) -> bool:
@@ -659,33 +562,14 @@ class PODSTrainer:
         return by_steps or by_time
 
     def _resume_or_start(self) -> TrainerState:
-        source = self.config.resume_from
-        if self.accelerator.is_main_process:
-            remove_partial_checkpoints(self.checkpoint_root)
-        self.accelerator.wait_for_everyone()
-        if source is None:
-            if latest_checkpoint(self.checkpoint_root) is not None:
-                raise ConfigError(
-                    f"output_dir: {self.output_dir} already holds checkpoints; continue it with resume_from: auto, "
-                    "or choose another output_dir"
-                )
+        """The state to start from: a fresh one (logs emptied) or a checkpoint's (logs cut back to its step)."""
+        folder = checkpoint_to_resume(self.accelerator, self.config.resume_from, self.checkpoint_root)
+        if folder is None:  # a fresh start (also resume_from: auto without a checkpoint): no earlier rows
             self.metrics_log.reset()
             self.eval_log.reset()
             self.auto_log.reset()
             return TrainerState()
-        folder = self._checkpoint_to_resume(source)
-        if folder is None:  # resume_from: auto in a folder without checkpoints: a fresh start
-            self.metrics_log.reset()
-            self.eval_log.reset()
-            return TrainerState()
-        try:
-            state = load_checkpoint(self.accelerator, folder, self.scheduler)
-        except Exception as error:  # e.g. a pickle that weights_only=True refuses, a mismatched model
-            raise ConfigError(
-                f"resume_from: could not load checkpoint {folder} ({type(error).__name__}: "
-                f"{str(error).strip().splitlines()[0] if str(error).strip() else 'no details'}); "
-                "only resume checkpoints you trust, written by this run's model and settings"
-            ) from error
+        state = resume_checkpoint(self.accelerator, folder, self.scheduler)
         self._saved = (state.step, folder)
         self.metrics_log.truncate_after(state.step)
         if self.auto is not None:  # replay n's observations and decisions up to the checkpoint
@@ -695,45 +579,6 @@ class PODSTrainer:
                 self.auto.restore([r for r in read_jsonl(self.auto_log.path) if r["step"] <= state.step])
         self.eval_log.truncate_after(state.step)
         return state
-
-    def _checkpoint_to_resume(self, source: str) -> Path | None:
-        """The verified checkpoint to resume from, chosen on the main process and shared with the others."""
-        acc = self.accelerator
-        choice: tuple[str | None, str | None] = (None, None)  # (folder, error)
-        if acc.is_main_process:
-            try:
-                folder = self._find_checkpoint(source)
-                choice = (str(folder) if folder else None, None)
-            except ConfigError as error:
-                choice = (None, str(error))
-        if acc.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
-            choice = tuple(broadcast_object_list(list(choice)))
-        if choice[1] is not None:
-            raise ConfigError(choice[1])
-        return Path(choice[0]) if choice[0] else None
-
-    def _find_checkpoint(self, source: str) -> Path | None:
-        path = Path(source)
-        if source != "auto" and (path / STATE_FILE).is_file():
-            problem = checkpoint_problem(path)
-            if problem is not None:
-                raise ConfigError(
-                    f"resume_from: checkpoint {path} is damaged: {problem}; resume from another checkpoint "
-                    f"(resume_from: auto picks the newest intact one in {path.parent.parent})"
-                )
-            return path
-        root = self.checkpoint_root if source == "auto" else path / "checkpoints"
-        found = newest_intact_checkpoint(
-            root, warn=lambda text: print(f"pods: warning: {text}", file=sys.stderr)
-        )
-        if found is None and (source != "auto" or list_checkpoint_folders(root)):
-            raise ConfigError(
-                f"resume_from: no intact checkpoint in {root} (expected {root}/step-N with its {STATE_FILE} "
-                "and manifest.json); choose another output_dir to start afresh"
-            )
-        return found
 
     # ------------------------------------------------------------------ set-up helpers
     def _finished(self, state: TrainerState) -> bool:
@@ -745,6 +590,13 @@ class PODSTrainer:
     def _seed_step(self, step: int) -> None:
         """Reseed per step (and process): sampling after a resume matches an uninterrupted run exactly."""
         torch.manual_seed((self.config.seed * 1_000_003 + step) * 64 + self.accelerator.process_index)
+
+    def _skip_generator(self, step: int, round_index: int) -> torch.Generator:
+        """GRESO's draws for one round of one step on this process (no state to checkpoint)."""
+        process = self.accelerator.process_index
+        return torch.Generator().manual_seed(
+            ((self.config.seed * 1_000_003 + step) * 64 + process) * 1_009 + round_index
+        )
 
     def _selection_generator(self, step: int) -> torch.Generator:
         return torch.Generator().manual_seed(
@@ -780,7 +632,7 @@ class PODSTrainer:
 
     def _load_eval_dataset(self) -> Any:
         cfg = self.config
-        if not cfg.eval_at_start and cfg.eval_every_seconds is None:
+        if not cfg.eval_at_start and cfg.eval_every_seconds is None and not cfg.eval_at_seconds:
             return None
         from pods.data import load_task
 
@@ -794,57 +646,6 @@ class PODSTrainer:
             limit=cfg.eval_limit,
             seed=cfg.seed,
         )
-
-    def _make_optimizer(self, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        cfg = self.config
-        kwargs = {
-            "lr": cfg.learning_rate,
-            "betas": (cfg.adam_beta1, cfg.adam_beta2),
-            "weight_decay": cfg.weight_decay,
-        }
-        if cfg.optimizer == "adamw_8bit":
-            try:
-                import bitsandbytes as bnb
-            except ImportError:
-                raise ConfigError(
-                    "optimizer: adamw_8bit needs bitsandbytes (pip install bitsandbytes)"
-                ) from None
-            return bnb.optim.AdamW8bit(parameters, **kwargs)
-        return torch.optim.AdamW(parameters, **kwargs)
-
-    def _make_scheduler(self, optimizer: torch.optim.Optimizer):
-        from transformers import get_scheduler
-
-        cfg = self.config
-        total = (cfg.max_steps or 1) * cfg.num_iterations
-        warmup = math.ceil(cfg.warmup_ratio * total) if cfg.max_steps else 0
-        name = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
-        return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
-
-
-def deepspeed_batch_settings(
-    accelerator: Any, micro_batch_size: int, micro_batches: int, max_grad_norm: float
-) -> None:
-    """Give DeepSpeed our batch shape and clip before ``prepare``: we prepare no DataLoader, so accelerate
-    cannot fill its "auto" values, and DeepSpeed clips with its own ``gradient_clipping``, not ours."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None:
-        return
-    plugin.deepspeed_config.update(
-        train_micro_batch_size_per_gpu=micro_batch_size,
-        gradient_accumulation_steps=micro_batches,
-        gradient_clipping=max_grad_norm,
-    )
-    plugin.deepspeed_config.pop("train_batch_size", None)  # DeepSpeed derives it from the two above
-
-
-def _peak_memory_mb() -> float:
-    """Peak accelerator memory since the last call (GPU), else the process's peak resident memory (CPU)."""
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated() / 2**20
-        torch.cuda.reset_peak_memory_stats()
-        return peak
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def train(config: TrainConfig, **kwargs: Any) -> TrainResult:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pods.data.arith import read_arith, read_arith_hard
+from pods.data.arith import ARITH_HARD_TASK, ARITH_TASK
 from pods.data.common import HubUnavailableError, MissingDataError, TaskDataError
 from pods.data.gsm8k import read_gsm8k
 from pods.data.math import read_math, read_math500
@@ -30,18 +30,12 @@ __all__ = [
 
 
 _MATH = {"reward_funcs": ("math_accuracy", "format", "tag"), "accuracy": "math_accuracy"}
-# The embedded models were trained on "Question: ...\nAnswer:" and write 20-odd (arith-hard: 30-odd) tokens.
-_ARITH = {
-    "reward_funcs": ("accuracy",),
-    "prompt_style": "plain",
-    "plain_template": "Question: {question}\nAnswer:",
-}
 _TASKS: dict[str, Task] = {
     "gsm8k": Task("gsm8k", read_gsm8k),
     "math500": Task("math500", read_math500, **_MATH),
     "math": Task("math", read_math, **_MATH),
-    "arith": Task("arith", read_arith, **_ARITH, max_new_tokens=32),
-    "arith-hard": Task("arith-hard", read_arith_hard, **_ARITH, max_new_tokens=40),
+    "arith": ARITH_TASK,
+    "arith-hard": ARITH_HARD_TASK,
 }
 
 

@@ -21,6 +21,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pods.data.task import Task
+
 NAMES_SHE = ("Mia", "Ava", "Emma", "Lily", "Zoe", "Nora", "Ruby", "Lucy")
 NAMES_HE = ("Sam", "Leo", "Max", "Ben", "Tom", "Jack", "Owen", "Noah")
 ITEMS = ("apples", "marbles", "stickers", "coins", "books", "pencils", "cards", "shells")
@@ -297,6 +299,10 @@ def load_arith(split: str = "train", **options: Any):
     ``prompt_style="plain"`` (the default) gives the text the shipped base model was trained on;
     ``"chat"`` and ``"raw"`` build the paper's prompts with :func:`pods.prompts.make_prompt`.
     """
-    from pods.data import get_task
+    return ARITH_TASK.load(split, **options)
 
-    return get_task("arith").load(split, **options)
+
+# The embedded models were trained on "Question: ...\nAnswer:" and write 20-odd (arith-hard: 30-odd) tokens.
+_PLAIN = {"reward_funcs": ("accuracy",), "prompt_style": "plain", "plain_template": PROMPT_TEMPLATE}
+ARITH_TASK = Task("arith", read_arith, **_PLAIN, max_new_tokens=32)
+ARITH_HARD_TASK = Task("arith-hard", read_arith_hard, **_PLAIN, max_new_tokens=40)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from pods.config import ConfigError
+from pods.errors import ConfigError
 from pods.prompts import make_prompt, render_prompt
 
 __all__ = [

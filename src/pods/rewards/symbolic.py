@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from pods.config import ConfigError
+from pods.errors import ConfigError
 from pods.rewards.extract import answer_block, answer_views, completion_text
 from pods.rewards.numeric import answers_match, gold_column
 from pods.rewards.timeouts import WorkerProcess, WorkerTimeout

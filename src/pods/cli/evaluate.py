@@ -1,0 +1,197 @@
+"""``pods eval``: accuracy of a model, checkpoint or run on a task's test set, greedy or the paper's sampled protocol."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pods.cli.common import first_line, option, quiet_libraries
+from pods.errors import ConfigError
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add ``pods eval`` to the command line."""
+    evaluate = commands.add_parser(
+        "eval", allow_abbrev=False, help="accuracy of a model or checkpoint on a test set"
+    )
+    evaluate.add_argument(
+        "--model", required=True, help="model folder, hub name, 'embedded', checkpoint or run folder"
+    )
+    evaluate.add_argument("--dataset", required=True, help="gsm8k, math500, arith (or a registered task)")
+    evaluate.add_argument("--source", help="hub name or local file/folder of the dataset (default: the hub)")
+    evaluate.add_argument("--split", default="test")
+    evaluate.add_argument(
+        "--protocol",
+        choices=("greedy", "sampled"),
+        default="greedy",
+        help="greedy pass@1 (community convention) or the paper's sampled average (default: greedy)",
+    )
+    evaluate.add_argument("--samples", type=int, default=5, help="samples per problem for --protocol sampled")
+    evaluate.add_argument(
+        "--temperature", type=float, default=0.9, help="for --protocol sampled (default: 0.9)"
+    )
+    evaluate.add_argument("--limit", type=int, help="evaluate on the first N problems only")
+    option(evaluate, "max_new_tokens", type=int, help="default: the task's (32 for arith, 512 otherwise)")
+    option(evaluate, "batch_size", type=int, default=64, help="completions generated at once")
+    option(
+        evaluate,
+        "prompt_style",
+        choices=("chat", "plain", "raw"),
+        help="default: the task's (plain for arith; chat when the tokenizer has a chat template)",
+    )
+    option(
+        evaluate,
+        "rollout_engine",
+        choices=("auto", "hf", "vllm"),
+        default="auto",
+        help="auto: vLLM where it is installed and can run, else Hugging Face generate (default: auto)",
+    )
+    evaluate.add_argument("--output", help="JSON report path (default: eval-DATASET-PROTOCOL.json)")
+    evaluate.set_defaults(handler=run_eval)
+
+
+def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    from pods.data import get_task
+    from pods.evaluation import evaluate
+    from pods.models import load_tokenizer
+
+    quiet_libraries()
+    model_dir = find_model_folder(args.model)
+    model = load_model_for_eval(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    task = get_task(args.dataset)
+    style = args.prompt_style or (
+        "plain" if task.prompt_style == "chat" and not tokenizer.chat_template else task.prompt_style
+    )
+    max_new_tokens = args.max_new_tokens or task.max_new_tokens
+    dataset = task.load(args.split, source=args.source, prompt_style=style, limit=args.limit)
+    engine = eval_engine(args.rollout_engine, model, tokenizer, dataset, max_new_tokens, args.batch_size)
+    result = evaluate(
+        model,
+        tokenizer,
+        dataset,
+        task.accuracy_function(),
+        protocol=args.protocol,
+        samples=args.samples,
+        temperature=args.temperature,
+        max_new_tokens=max_new_tokens,
+        batch_size=args.batch_size,
+        prompt_style=style,
+        progress=True,
+        engine=engine,
+    )
+    report = {"model": str(model_dir), "dataset": args.dataset, "split": args.split, "prompt_style": style}
+    report.update(result.to_dict())
+    output = Path(args.output) if args.output else Path(f"eval-{args.dataset}-{args.protocol}.json")
+    output.write_text(json.dumps(report, indent=2))
+    what = (
+        "greedy pass@1"
+        if args.protocol == "greedy"
+        else f"sampled, T={args.temperature}, {args.samples} per problem"
+    )
+    print(f"{args.dataset} {args.split} ({result.num_problems} problems, {what}), {model_dir}:")
+    print(
+        f"  accuracy {result.accuracy:.2%}   format {result.format_accuracy:.2%}   both {result.correct_and_formatted:.2%}"
+    )
+    print(f"  report written to {output} ({result.seconds:.0f} s)")
+    return 0
+
+
+def eval_engine(requested: str, model, tokenizer, dataset, max_new_tokens: int, batch_size: int):
+    """The rollout engine ``pods eval`` samples with (``auto``: vLLM where it can run); says which."""
+    from pods.prompts import render_prompt
+    from pods.rollout import build_engine, choose_engine
+
+    try:
+        name, reason = choose_engine(requested, model=model)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    print(f"rollout engine: {name} ({reason})")
+    longest = max(
+        (
+            len(tokenizer(render_prompt(dataset[i]["prompt"], tokenizer))["input_ids"])
+            for i in range(len(dataset))
+        ),
+        default=1,
+    )
+    return build_engine(
+        name,
+        model,
+        tokenizer,
+        generation_batch_size=batch_size,
+        vllm_options={"max_model_length": longest + max_new_tokens},
+    )
+
+
+def find_model_folder(name: str) -> str:
+    """A model folder, hub name, ``embedded``, a checkpoint (uses its ``model/``) or a run (its newest intact checkpoint).
+
+    A checkpoint's model files are checked against its manifest first: a damaged one is a clear error.
+    """
+    from pods.checkpoint import STATE_FILE, newest_intact_checkpoint, verify_checkpoint
+    from pods.models import resolve_model_path
+
+    path = Path(name)
+    if path.name == "model" and (path.parent / STATE_FILE).is_file():
+        path = path.parent
+    if (path / STATE_FILE).is_file():
+        verify_checkpoint(path, under="model")
+        return str(path / "model")
+    if (path / "checkpoints").is_dir():
+        warn = lambda text: print(f"pods eval: warning: {text}", file=sys.stderr)  # noqa: E731
+        found = newest_intact_checkpoint(path / "checkpoints", warn=warn)
+        if found is None:
+            raise ConfigError(f"--model {name}: this run folder has no intact checkpoint")
+        return str(found / "model")
+    return resolve_model_path(name)
+
+
+def load_model_for_eval(model_dir: str):
+    """Load safetensors weights only, never running a model's own code; a broken folder is a clear error.
+
+    A LoRA adapter's base is loaded in the dtype its run trained in (the run's ``config.yaml``; else the
+    base's own), a full model in bfloat16 on a GPU and float32 on a CPU.
+    """
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        if (Path(model_dir) / "adapter_config.json").is_file():
+            from peft import AutoPeftModelForCausalLM
+
+            model = AutoPeftModelForCausalLM.from_pretrained(
+                model_dir, dtype=training_dtype(model_dir), use_safetensors=True
+            )
+        else:
+            from transformers import AutoModelForCausalLM
+
+            dtype = torch.bfloat16 if device == "cuda" else torch.float32
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=False
+            )
+    except Exception as error:  # safetensors, OSError, ValueError, ...: name the folder and the cause
+        raise ConfigError(
+            f"--model {model_dir}: cannot load the model ({type(error).__name__}: {first_line(error)}); "
+            "the folder may be damaged or incomplete (pods eval reads model.safetensors only and never runs "
+            "a model's own code)"
+        ) from None
+    return model.to(device).eval()
+
+
+def training_dtype(model_dir: str):
+    """The dtype a checkpoint's exported model was trained in (its run's ``config.yaml``), else ``"auto"``
+    (the checkpoint's own)."""
+    import yaml
+
+    from pods.checkpoint import STATE_FILE
+    from pods.models import DTYPES
+
+    path = Path(model_dir)
+    run_config = path.parent.parent.parent / "config.yaml"  # <run>/checkpoints/step-N/model
+    if path.name == "model" and (path.parent / STATE_FILE).is_file() and run_config.is_file():
+        dtype = (yaml.safe_load(run_config.read_text()) or {}).get("dtype")
+        if dtype in DTYPES:
+            return DTYPES[dtype]
+    return "auto"

@@ -1,0 +1,104 @@
+"""Cross-process reductions the trainer needs, each a no-op with one process.
+
+Every process generates, scores and selects for its own prompts; these helpers are the few places where
+the processes meet: metrics over every process, and clock-based decisions that all must take together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def gather(accelerator: Any, values: torch.Tensor) -> torch.Tensor:
+    """Every process's ``values`` (equal shapes), concatenated along the first dimension, on ``values``' device."""
+    if accelerator.num_processes == 1:
+        return values
+    return accelerator.gather(values.to(accelerator.device)).to(values.device)
+
+
+def synced_max(accelerator: Any, value: float) -> float:
+    """The largest ``value`` over processes (e.g. the slowest process's seconds), so all decide alike."""
+    if accelerator.num_processes == 1:
+        return value
+    tensor = torch.tensor(value, dtype=torch.float64, device=accelerator.device)
+    return float(accelerator.reduce(tensor, "max"))
+
+
+def synced_any(accelerator: Any, flag: bool) -> bool:
+    """True on every process when ``flag`` is true on any."""
+    if accelerator.num_processes == 1:
+        return flag
+    return bool(accelerator.reduce(torch.tensor(int(flag), device=accelerator.device), "max"))
+
+
+def synced_sum(accelerator: Any, values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over processes (on the accelerator's device with several processes)."""
+    if accelerator.num_processes == 1:
+        return values
+    return accelerator.reduce(values.to(accelerator.device), "sum")
+
+
+def synced_mean(accelerator: Any, value: float) -> float:
+    """The mean of a scalar over processes."""
+    total = synced_sum(accelerator, torch.tensor(value, dtype=torch.float64))
+    return float(total) / accelerator.num_processes
+
+
+def deepspeed_batch_settings(
+    accelerator: Any, micro_batch_size: int, micro_batches: int, max_grad_norm: float
+) -> None:
+    """Give DeepSpeed our batch shape and clip before ``prepare``: we prepare no DataLoader, so accelerate
+    cannot fill its "auto" values, and DeepSpeed clips with its own ``gradient_clipping``, not ours."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    plugin.deepspeed_config.update(
+        train_micro_batch_size_per_gpu=micro_batch_size,
+        gradient_accumulation_steps=micro_batches,
+        gradient_clipping=max_grad_norm,
+    )
+    plugin.deepspeed_config.pop("train_batch_size", None)  # DeepSpeed derives it from the two above
+    zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
+    if zero.get("stage") == 3:  # the exported model/ folder needs the gathered weights (exported_state_dict)
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+
+
+def exported_state_dict(accelerator: Any, model: Any) -> dict[str, torch.Tensor] | None:
+    """The model's full weights for an export, gathered from every process under DeepSpeed ZeRO-3 (a
+    collective: call on every process); None elsewhere, where ``save_pretrained`` reads the model itself.
+    Without it, a ZeRO-3 export would hold each parameter's empty local shard."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.deepspeed_config.get("zero_optimization", {}).get("stage") != 3:
+        return None
+    return accelerator.get_state_dict(model)
+
+
+def deepspeed_guards_non_finite_steps(model: Any) -> None:
+    """Make a DeepSpeed engine skip any optimizer step whose gradients hold NaN/inf, as pods' guard does.
+
+    DeepSpeed steps inside ``backward``, before pods sees the gradients, so the skip has to be DeepSpeed's:
+    its ZeRO optimizers check the partitioned gradients (across ranks) when ``check_grad_overflow`` is on,
+    which a bf16 config may turn off and which fp32 only does through the gradient norm; pods turns it on.
+    Without a ZeRO optimizer (stage 0) DeepSpeed has no such check: refused. No-op for other models.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if not hasattr(model, "was_step_applied") or optimizer is None:
+        return
+    if not hasattr(optimizer, "overflow"):
+        from pods.errors import ConfigError
+
+        raise ConfigError(
+            "DeepSpeed without ZeRO (zero_stage 0) applies optimizer steps with NaN/inf gradients, past pods' "
+            "non-finite guard; use zero_stage 1, 2 or 3 in the accelerate config"
+        )
+    if hasattr(optimizer, "check_grad_overflow"):
+        optimizer.check_grad_overflow = True
+
+
+def step_was_applied(model: Any) -> bool:
+    """Whether the optimizer step DeepSpeed took inside the last boundary ``backward`` was applied (it skips
+    one with NaN/inf gradients); True for any other model, whose step pods takes itself."""
+    applied = getattr(model, "was_step_applied", None)
+    return True if applied is None else bool(applied())

@@ -1,0 +1,212 @@
+"""The policy update of one step: gradient steps on the kept rows, as a function of the model, the optimizer
+and the kept batch (testable without a trainer).
+
+The rows are split into micro-batches of ``micro_batch_size``, accumulated into one optimizer step per pass,
+``num_iterations`` passes. Old and reference log-probs come from evaluation-mode forwards (no dropout); the
+sampler's log-probs, when the engine reports them (vLLM), are compared with the old ones: truncated importance
+weights correct the sampler/trainer mismatch, and the mismatch is logged. A NaN/inf loss or gradient norm
+skips the optimizer step (:class:`NonFiniteGuard`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pods.checkpoint import TrainerState
+from pods.config import TrainConfig
+from pods.distributed import step_was_applied, synced_any, synced_sum
+from pods.errors import NonFiniteError
+from pods.loss import completion_logprobs, mean_abs_difference, policy_loss, truncated_importance_weights
+from pods.rollout import Rollouts
+
+# Loss statistics averaged over tokens (metric name -> field of the loss output).
+LOSS_STATISTICS = {
+    "kl": "kl",
+    "clip_ratio/low_mean": "clip_low_fraction",
+    "clip_ratio/high_mean": "clip_high_fraction",
+    "clip_ratio/region_mean": "clip_fraction",
+}
+
+
+@dataclass
+class NonFiniteGuard:
+    """A NaN/inf loss or gradient norm on any process skips the optimizer step (weights, optimizer and
+    scheduler unchanged); ``limit`` skips in a row end the run. Counts live in the checkpointed state."""
+
+    state: TrainerState
+    limit: int
+    checkpoint_root: Path
+
+    def allows_step(self, accelerator: Any, finite: bool) -> bool:
+        """Whether to take this optimizer step; a collective with several processes (call on every rank)."""
+        finite = not synced_any(accelerator, not finite)
+        state = self.state
+        if finite:
+            state.consecutive_skips = 0
+            return True
+        state.skipped_steps += 1
+        state.consecutive_skips += 1
+        if state.consecutive_skips >= self.limit:
+            raise NonFiniteError(
+                f"{self.limit} optimizer steps in a row had a non-finite (NaN or infinite) loss or gradient "
+                f"norm, at training step {state.step + 1}; they were skipped, so the weights are those of the "
+                f"last good step and the checkpoints in {self.checkpoint_root} are intact. Lower learning_rate "
+                "or max_grad_norm, or train in float32 (mixed_precision: no); max_consecutive_skips sets this limit"
+            )
+        return False
+
+
+@contextlib.contextmanager
+def reference_policy(accelerator: Any, model: torch.nn.Module, reference: torch.nn.Module | None):
+    """The KL reference: ``reference`` (a frozen copy, full fine-tuning) or the base with the LoRA adapter
+    disabled (no second copy)."""
+    if reference is not None:
+        yield reference
+    else:
+        unwrapped = accelerator.unwrap_model(model)
+        with unwrapped.disable_adapter():
+            yield unwrapped
+
+
+def policy_update(
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    batch: Rollouts,
+    advantages: torch.Tensor,
+    config: TrainConfig,
+    guard: NonFiniteGuard,
+    reference: torch.nn.Module | None = None,
+) -> dict[str, float]:
+    """Gradient steps on the kept rows ``batch`` with their ``advantages`` [rows]: micro-batches accumulated,
+    ``num_iterations`` passes; returns the step's loss metrics (averaged over every process)."""
+    cfg, acc = config, accelerator
+    device = acc.device
+    prompt_ids, prompt_mask = batch.prompt_ids.to(device), batch.prompt_mask.to(device)
+    completion_ids, mask = batch.completion_ids.to(device), batch.completion_mask.to(device)
+    advantages = advantages.to(device=device, dtype=torch.float32)
+    rows, micro = completion_ids.shape[0], cfg.micro_batch_size
+    temperature = cfg.temperature if cfg.temperature > 0 else 1.0
+    # dapo divides by the tokens of the whole batch across processes; DDP averages gradients.
+    total_tokens = synced_sum(acc, mask.sum().double()) / acc.num_processes
+
+    def logprobs_of(net: torch.nn.Module, part: slice, **truncation: Any) -> torch.Tensor:
+        return completion_logprobs(
+            net,
+            prompt_ids[part],
+            prompt_mask[part],
+            completion_ids[part],
+            mask[part],
+            temperature=temperature,
+            **truncation,
+        )
+
+    parts = [slice(start, start + micro) for start in range(0, rows, micro)]
+    sampling_logprobs = batch.sampling_logprobs
+    correct = cfg.vllm_importance_sampling_correction and sampling_logprobs is not None
+    # Old and reference log-probs: always in evaluation mode (no dropout), at every step. The first pass
+    # is on-policy (ratio exactly 1, as with num_iterations = 1); later passes use the old log-probs. With a
+    # sampler's log-probs the old ones are the "before" side of the importance weights: from the train-mode
+    # forward, dropout noise would enter the weights.
+    old_logprobs = ref_logprobs = sampled_view = None
+    model.eval()
+    if cfg.num_iterations > 1 or sampling_logprobs is not None:
+        with torch.no_grad():
+            old_logprobs = torch.cat([logprobs_of(model, part) for part in parts])
+    if sampling_logprobs is not None and cfg.temperature > 0 and (cfg.top_k > 0 or cfg.top_p < 1):
+        # The sampler reports log-probs of the top-k / top-p truncated, renormalised distribution: the
+        # mismatch diagnostic compares them with the trainer's under the same truncation, so that it shows
+        # engine drift (stale weights) rather than the truncated mass. The weights stay TRL's (<= ~1).
+        with torch.no_grad():
+            sampled_view = torch.cat(
+                [logprobs_of(model, part, top_k=cfg.top_k, top_p=cfg.top_p) for part in parts]
+            )
+    if cfg.beta > 0:
+        # Under the policy's mixed precision: accelerate autocasts the prepared policy, not this copy.
+        with torch.no_grad(), acc.autocast(), reference_policy(acc, model, reference) as frozen:
+            ref_logprobs = torch.cat([logprobs_of(frozen, part) for part in parts])
+
+    model.train()
+    loss = 0.0
+    # Token-weighted sums of the statistics, and the token count: averages over tokens (all micro-batches,
+    # passes and processes), so they do not depend on micro_batch_size.
+    sums = torch.zeros(len(LOSS_STATISTICS) + 1, dtype=torch.float64)
+    grad_norms, finite, mismatch = [], True, []
+    sampler_weights: dict[int, torch.Tensor] = {}  # per micro-batch, from the first pass
+    for iteration in range(cfg.num_iterations):
+        for part in parts:
+            # accelerate syncs gradients (DDP / DeepSpeed / FSDP) and lets the optimizer step only on
+            # the last micro-batch of each pass; it divides the loss by the number of micro-batches,
+            # which our loss already accounts for (each part is its share of the batch loss).
+            with acc.accumulate(model):
+                logprobs = logprobs_of(model, part)
+                if sampling_logprobs is not None and part.start not in sampler_weights:
+                    # first pass: the trainer's log-probs before this update against the sampler's
+                    sampler_weights[part.start] = truncated_importance_weights(
+                        old_logprobs[part],
+                        sampling_logprobs[part],
+                        mask[part],
+                        cfg.vllm_importance_sampling_cap,
+                    )
+                    comparable = old_logprobs if sampled_view is None else sampled_view
+                    mismatch.append(
+                        mean_abs_difference(comparable[part], sampling_logprobs[part], mask[part])
+                    )
+                out = policy_loss(
+                    logprobs,
+                    advantages[part],
+                    mask[part],
+                    old_logprobs=None if iteration == 0 else old_logprobs[part],
+                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[part],
+                    importance_weights=sampler_weights.get(part.start) if correct else None,
+                    epsilon=cfg.epsilon,
+                    epsilon_high=cfg.epsilon_high,
+                    beta=cfg.beta,
+                    loss_type=cfg.loss_type,
+                    total_sequences=rows,
+                    total_tokens=float(total_tokens),
+                    max_completion_length=cfg.max_completion_length,
+                )
+                # The loss is checked before backward: under DeepSpeed the optimizer steps inside it.
+                finite = finite and math.isfinite(out.loss.item())
+                acc.backward(out.loss * acc.gradient_accumulation_steps)
+                if acc.sync_gradients:
+                    grad_norm = float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                    grad_norms.append(grad_norm)
+                    # DeepSpeed has already stepped, or skipped a step with NaN/inf gradients itself (see
+                    # pods.distributed.deepspeed_guards_non_finite_steps); its optimizer.step() is a no-op.
+                    applied = step_was_applied(model)
+                    # fp16: the GradScaler skips overflowing steps itself and lowers its scale.
+                    usable = acc.scaler is not None or guard.allows_step(
+                        acc, finite and applied and math.isfinite(grad_norm)
+                    )
+                    if usable:
+                        optimizer.step()
+                        scheduler.step()
+                    finite = True
+                optimizer.zero_grad(set_to_none=True)  # accelerate clears only after a sync
+            loss += out.loss.item() / cfg.num_iterations
+            tokens = out.num_tokens.item()
+            sums += torch.tensor(
+                [getattr(out, field).item() * tokens for field in LOSS_STATISTICS.values()] + [tokens]
+            )
+    sums = synced_sum(acc, sums.to(device)).cpu()
+    means = {name: float(sums[i] / max(float(sums[-1]), 1.0)) for i, name in enumerate(LOSS_STATISTICS)}
+    # TRL's names: how far the sampler's log-probs are from the trainer's, over all processes
+    if mismatch:
+        ratios = [
+            (w.sum() / mask[slice(s, s + micro)].sum().clamp_min(1)).item()
+            for s, w in sampler_weights.items()
+        ]
+        totals = torch.tensor([sum(mismatch), len(mismatch), sum(ratios), len(ratios)], dtype=torch.float64)
+        totals = synced_sum(acc, totals.to(device)).cpu()
+        means["sampling/sampling_logp_difference/mean"] = float(totals[0] / totals[1])
+        means["sampling/importance_sampling_ratio/mean"] = float(totals[2] / totals[3])
+    return {"loss": loss, **means, "grad_norm": sum(grad_norms) / len(grad_norms)}
