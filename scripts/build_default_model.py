@@ -1,11 +1,14 @@
 """Rebuild a shipped base model (src/pods/assets/<folder>) from scratch, measure it, write its card.
 
     python scripts/build_default_model.py [--task arith] [--out DIR] [--steps N] [--seed 0] [--eval-problems 1000]
+    python scripts/build_default_model.py --task arith-hard --out DIR --measure-only  # re-measure DIR, rewrite its card
 
 ``--task`` picks the recipe (``pods.embedded.EMBEDDED_MODELS``): ``arith`` rebuilds arith-base (the
 default model, 600 steps), ``arith-hard`` rebuilds arith-hard-base (the sparse-reward one, 1200 steps).
 Training is a fixed number of steps, so the result is reproducible on the same torch build and CPU
 (floating-point reductions may differ across machines, so expect close, not identical, weights).
+The build's own record (steps, final loss, training time) is written to build_metrics.json as soon as the
+weights are saved, so ``--measure-only`` can finish a build whose measurement was interrupted.
 """
 
 from __future__ import annotations
@@ -107,29 +110,22 @@ Not a general language model: it knows only this task's vocabulary (other words 
 """
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=sorted(EMBEDDED_MODELS), default="arith")
-    parser.add_argument("--out", type=Path, help="default: src/pods/assets/<the task's model folder>")
-    parser.add_argument("--steps", type=int, help="supervised steps (default: the task's recipe)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-problems", type=int, default=1000)
-    args = parser.parse_args()
-    out = args.out or ASSETS / EMBEDDED_MODELS[args.task].folder
-
+def measure(out: Path, record: dict, *, eval_problems: int) -> dict:
+    """The model in ``out`` measured on its task (greedy and sampled accuracy, per-sample success,
+    informative-group shares, sampling speed) on top of its build ``record``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    metrics = build_base_model(out, task=args.task, seed=args.seed, steps=args.steps, eval_problems=0)
+    task, seed = record["task"], record["seed"]
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
+    metrics = dict(record)
+    metrics["parameters"] = sum(p.numel() for p in model.parameters())
     metrics["vocab_size"] = len(tokenizer)
-    metrics["greedy"] = evaluate(model, tokenizer, task=args.task, num_problems=args.eval_problems)
-    torch.manual_seed(args.seed)
-    metrics["sampled_t1"] = evaluate(
-        model, tokenizer, task=args.task, num_problems=args.eval_problems, temperature=1.0
-    )
+    metrics["greedy"] = evaluate(model, tokenizer, task=task, num_problems=eval_problems)
+    torch.manual_seed(seed)
+    metrics["sampled_t1"] = evaluate(model, tokenizer, task=task, num_problems=eval_problems, temperature=1.0)
     successes = sample_successes(
-        model, tokenizer, task=args.task, num_problems=SUCCESS_PROBLEMS, samples=SUCCESS_SAMPLES
+        model, tokenizer, task=task, num_problems=SUCCESS_PROBLEMS, samples=SUCCESS_SAMPLES
     )
     metrics["sample_successes"] = {
         "problems": SUCCESS_PROBLEMS,
@@ -139,10 +135,38 @@ def main() -> None:
         "informative_n4": informative_share(successes, SUCCESS_SAMPLES, 4),
         "informative_n16": informative_share(successes, SUCCESS_SAMPLES, 16),
     }
-    metrics["generate_16x16x32_s"] = round(sampling_seconds(model, tokenizer, task=args.task), 3)
+    metrics["generate_16x16x32_s"] = round(sampling_seconds(model, tokenizer, task=task), 3)
     metrics["weights_mb"] = (out / "model.safetensors").stat().st_size / 1e6
+    return metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=sorted(EMBEDDED_MODELS), default="arith")
+    parser.add_argument("--out", type=Path, help="default: src/pods/assets/<the task's model folder>")
+    parser.add_argument("--steps", type=int, help="supervised steps (default: the task's recipe)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-problems", type=int, default=1000)
+    parser.add_argument(
+        "--measure-only",
+        action="store_true",
+        help="do not train: measure the model already in --out (its build record in build_metrics.json)",
+    )
+    args = parser.parse_args()
+    out = args.out or ASSETS / EMBEDDED_MODELS[args.task].folder
+    card_path = out / "build_metrics.json"
+    if args.measure_only:
+        if not card_path.is_file():
+            parser.error(f"--measure-only needs the build record {card_path}; rebuild without --measure-only")
+        record = json.loads(card_path.read_text())
+        if record.get("task") != args.task:
+            parser.error(f"{card_path} records task {record.get('task')!r}, not --task {args.task!r}")
+    else:
+        record = build_base_model(out, task=args.task, seed=args.seed, steps=args.steps, eval_problems=0)
+        card_path.write_text(json.dumps(record, indent=2) + "\n")  # kept if the measurement is interrupted
+    metrics = measure(out, record, eval_problems=args.eval_problems)
     (out / "README.md").write_text(model_card(metrics))
-    (out / "build_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    card_path.write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps(metrics, indent=2))
 
 

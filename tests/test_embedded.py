@@ -159,14 +159,9 @@ def test_hard_presets_train_a_step_on_their_shipped_model(preset: str, tmp_path:
     from pods.cli import load_train_config
     from pods.trainer import PODSTrainer
 
-    overrides = {"max_steps": 1, "max_time": "null", "eval_limit": 16, "eval_every_seconds": "null"}
-    overrides |= {
-        "rollout_engine": "hf",
-        "train_limit": 64,
-        "save_final": "false",
-        "save_every_seconds": "null",
-    }
-    overrides |= {"progress": "false", "output_dir": str(tmp_path)}
+    overrides = {"max_steps": 1, "max_time": "null", "eval_at_start": "false", "eval_every_seconds": "null"}
+    overrides |= {"eval_at_seconds": "null", "rollout_engine": "hf", "train_limit": 64, "save_final": "false"}
+    overrides |= {"save_every_seconds": "null", "progress": "false", "output_dir": str(tmp_path)}
     config = load_train_config(preset, [f"--{key}={value}" for key, value in overrides.items()])
     assert (config.model, config.task) == ("embedded-arith-hard", "arith-hard")
     assert PODSTrainer(config).train().steps == 1
