@@ -23,7 +23,14 @@ import torch
 
 from pods.advantages import downsample, nanstd
 from pods.auto_generations import AutoGenerations
-from pods.checkpoint import STATE_FILE, TrainerState, checkpoint_to_resume, resume_checkpoint, save_checkpoint
+from pods.checkpoint import (
+    STATE_FILE,
+    TrainerState,
+    checkpoint_to_resume,
+    require_shared_folder,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from pods.config import TrainConfig
 from pods.data.stream import PromptStream
 from pods.distributed import deepspeed_batch_settings, gather, synced_max, synced_mean
@@ -113,6 +120,7 @@ class PODSTrainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.output_dir / "config.yaml")
         acc.wait_for_everyone()
+        require_shared_folder(acc, self.output_dir)  # several machines resume from one checkpoint
         self.checkpoint_root = self.output_dir / "checkpoints"
         self._saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint written or loaded
         self.metrics_log = JsonlLog(self.output_dir / "metrics.jsonl", enabled=acc.is_main_process)
