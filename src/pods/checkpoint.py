@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import sys
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -238,42 +237,6 @@ def _crash_point_for_tests(step: int) -> None:
     """Fault injection for tests: ``PODS_CRASH_DURING_SAVE=N`` kills the process half-way through saving step N."""
     if os.environ.get("PODS_CRASH_DURING_SAVE") == str(step):
         os._exit(17)
-
-
-# ---------------------------------------------------------------------------------------------- run folder
-def require_shared_folder(accelerator, folder: Path) -> None:
-    """Stop every process with a :class:`ConfigError` unless all machines of the launch see ``folder`` as one
-    folder (collective; nothing to check on one machine).
-
-    A checkpoint is written once, by the main process (plus each rank's own files), and every process
-    resumes from it, so a run folder on a disk that each machine has its own copy of would leave the other
-    machines nothing to resume from. Each machine's first process writes a marker named by a token the main
-    process chose, then looks for the other machines' markers.
-    """
-    if accelerator.num_processes == 1:
-        return
-    from accelerate.utils import broadcast_object_list, gather_object
-
-    local_main = accelerator.is_local_main_process
-    machines = [i for i in gather_object([accelerator.process_index if local_main else None]) if i is not None]
-    if len(machines) == 1:
-        return
-    token = broadcast_object_list([uuid.uuid4().hex if accelerator.is_main_process else None])[0]
-    markers = folder / f".machines-{token}"
-    if local_main:
-        markers.mkdir(parents=True, exist_ok=True)
-        (markers / str(accelerator.process_index)).touch()
-    accelerator.wait_for_everyone()
-    unseen = local_main and any(not (markers / str(index)).exists() for index in machines)
-    unseen = bool(accelerator.reduce(torch.tensor(int(unseen), device=accelerator.device), "max"))
-    if local_main:  # every machine has looked (the reduce above waited for all of them)
-        shutil.rmtree(markers, ignore_errors=True)
-    if unseen:
-        raise ConfigError(
-            f"output_dir: {folder} is not one folder shared by the {len(machines)} machines of this launch "
-            "(a machine cannot see the files another writes there), so they could not resume from one "
-            "checkpoint; put output_dir on a disk every machine mounts at the same path (NFS, Lustre, GPFS, ...)"
-        )
 
 
 # ---------------------------------------------------------------------------------------------- resume

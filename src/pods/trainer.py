@@ -23,14 +23,7 @@ import torch
 
 from pods.advantages import downsample, nanstd
 from pods.auto_generations import AutoGenerations
-from pods.checkpoint import (
-    STATE_FILE,
-    TrainerState,
-    checkpoint_to_resume,
-    require_shared_folder,
-    resume_checkpoint,
-    save_checkpoint,
-)
+from pods.checkpoint import STATE_FILE, TrainerState, checkpoint_to_resume, resume_checkpoint, save_checkpoint
 from pods.config import TrainConfig
 from pods.data.stream import PromptStream
 from pods.distributed import deepspeed_batch_settings, gather, synced_max, synced_mean
@@ -43,6 +36,7 @@ from pods.optimization import build_optimizer, build_scheduler
 from pods.progress import TrainingProgress
 from pods.registries import check_names
 from pods.rollout import Rollouts, SamplingParams, build_engine, choose_engine
+from pods.run_folder import require_shared_folder
 from pods.scoring import RewardFunction, reward_name, score_completions
 from pods.update import NonFiniteGuard, policy_update
 
