@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import socket
@@ -24,10 +25,13 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 from pods.checkpoint import checkpoint_problem, checkpoint_step, list_checkpoints
+from pods.errors import ConfigError
 from pods.metrics import read_jsonl
+from pods.trainer import PODSTrainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_trainer import learning_metrics
+from test_trainer import learning_metrics, tiny_config
+from tiny_run import count_of_a, tiny_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_NODE = ROOT / "scripts" / "slurm" / "launch-node.sh"
@@ -112,6 +116,39 @@ def test_a_launch_that_cannot_rendezvous_says_why(tmp_path: Path, change: dict, 
     result = launch_node(tmp_path, env, "-m", "pods", "train")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith(f"launch-node.sh: {message}"), result.stderr
+
+
+def test_the_recipes_deepspeed_config_runs_torchrun_on_every_machine(tmp_path: Path) -> None:
+    """launch-node.sh's options for machine 1 of 2 with configs/accelerate/deepspeed_zero2.yaml, resolved by
+    accelerate itself: torchrun on this machine joining the others (DeepSpeed's default multi-machine
+    launcher would instead start `deepspeed --hostfile` over ssh from one machine)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    config = ROOT / "configs" / "accelerate" / "deepspeed_zero2.yaml"
+    printed = launch_node(tmp_path, SLURM_STEP, "--config_file", str(config), "-m", "pods", "train")
+    words = shlex.split(printed.stdout)
+    assert words[:2] == ["accelerate", "launch"], printed.stderr
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(words[2:]))
+    args.deepspeed_fields_from_accelerate_config = ""  # what `accelerate launch` adds before this call
+    command, _ = prepare_deepspeed_cmd_env(args)
+    assert command is None, command  # no `deepspeed` runner command: torchrun, in this process
+    assert (args.nnodes, args.node_rank, args.nproc_per_node) == ("2", 1, "8")
+    assert args.rdzv_endpoint == f"gpu-a07:{20000 + 4711 % 10000}"
+
+
+def test_processes_that_accelerate_does_not_join_stop_at_start(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launcher's WORLD_SIZE of 2 but a process accelerate runs alone (as it does on a CPU with DeepSpeed):
+    two runs would write one run folder; the trainer stops before touching it."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = tiny_config(tiny_model_dir, tmp_path / "run", max_steps=1)
+    with pytest.raises(
+        ConfigError, match=r"the launcher started 2 processes \(WORLD_SIZE\) but accelerate runs"
+    ):
+        PODSTrainer(config, reward_funcs=[count_of_a], train_dataset=tiny_dataset())
+    assert not (tmp_path / "run").exists()
 
 
 def run_sbatch_script(tmp_path: Path, signal_to_send: int, step_seconds: float) -> tuple[int, str, str]:

@@ -6,9 +6,26 @@ the processes meet: metrics over every process, and clock-based decisions that a
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+from pods.errors import ConfigError
+
+
+def require_every_launched_process(accelerator: Any) -> None:
+    """Stop with a :class:`ConfigError` when the launcher started more processes (``WORLD_SIZE``) than
+    accelerate joined into this run: each would train alone and write the same run folder. accelerate does
+    that on a CPU with DeepSpeed, for one."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise ConfigError(
+            f"the launcher started {launched} processes (WORLD_SIZE) but accelerate runs this one as "
+            f"{accelerator.num_processes} of {accelerator.num_processes} ({accelerator.distributed_type.value}), "
+            "so each would train alone into the same run folder; DeepSpeed and FSDP need GPUs under accelerate "
+            "(on a CPU, launch with --multi_gpu and ACCELERATE_USE_CPU=true)"
+        )
 
 
 def gather(accelerator: Any, values: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,13 @@ from pods.auto_generations import AutoGenerations
 from pods.checkpoint import STATE_FILE, TrainerState, checkpoint_to_resume, resume_checkpoint, save_checkpoint
 from pods.config import TrainConfig
 from pods.data.stream import PromptStream
-from pods.distributed import deepspeed_batch_settings, gather, synced_max, synced_mean
+from pods.distributed import (
+    deepspeed_batch_settings,
+    gather,
+    require_every_launched_process,
+    synced_max,
+    synced_mean,
+)
 from pods.errors import ConfigError, NonFiniteError
 from pods.evaluation import EvalResult, evaluate
 from pods.interrupts import StopRequests, TrainingStopped
@@ -110,6 +116,7 @@ class PODSTrainer:
             gradient_accumulation_steps=micro_batches,
         )
         acc = self.accelerator
+        require_every_launched_process(acc)
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.output_dir / "config.yaml")
