@@ -162,6 +162,11 @@ class PODSTrainer:
             )
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        if cfg.rollout_engine == "hf" and acc.is_fsdp2 and acc.num_processes > 1:
+            raise ConfigError(
+                "rollout_engine: hf cannot sample from a model that FSDP shards over several processes (every "
+                "process would wait for the others' shards at each token); use rollout_engine: vllm"
+            )
         if acc.is_main_process:
             cfg.save(self.output_dir / "config.yaml")
         self.engine = build_engine(
@@ -430,20 +435,23 @@ class PODSTrainer:
         if self._saved is not None and self._saved[0] == state.step:
             return self._saved[1]  # already saved (or resumed from) at this step
         state.last_save_seconds = state.train_seconds
+        # FSDP2: the full weights, gathered by every process (get_state_dict returns them on the main one)
+        weights = self.accelerator.get_state_dict(self.model) if self.accelerator.is_fsdp2 else None
         folder = save_checkpoint(
             self.accelerator,
             self.checkpoint_root,
             state,
             self.config.save_total_limit,
-            export=self._export,
+            export=lambda folder: self._export(folder, weights),
             scheduler=self.scheduler,
         )
         self._saved = (state.step, folder)
         return folder
 
-    def _export(self, folder: Path) -> None:
-        """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``."""
-        self.accelerator.unwrap_model(self.model).save_pretrained(folder)
+    def _export(self, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``; ``weights``
+        are the gathered ones of a sharded model."""
+        self.accelerator.unwrap_model(self.model).save_pretrained(folder, state_dict=weights)
         self.tokenizer.save_pretrained(folder)
 
     def _save_due(self, state: TrainerState) -> bool:

@@ -38,6 +38,7 @@ from pods.rollout.base import (
     pad_token_id,
     tokenize_prompts,
 )
+from pods.rollout.fsdp import UnitGatherer
 
 __all__ = ["VLLMEngine", "vllm_unavailable_reason"]
 
@@ -273,18 +274,22 @@ def _named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     """``(checkpoint name, tensor)`` one at a time, under the base model's names. A LoRA layer's weight is
     pushed as base + its adapters' delta, computed aside: merging into the base and unmerging afterwards
     would leave float rounding drift in the trained weights. A DeepSpeed ZeRO-3 shard is gathered for its
-    turn only, and copied out."""
+    turn only, an FSDP2 unit for the turns of its parameters (:class:`UnitGatherer`), and copied out."""
     base = _base_model(model)
-    for name, param in base.named_parameters(remove_duplicate=False):  # tied weights under both names
-        if "lora_" in name or "modules_to_save" in name:
-            continue
-        with _gathered(param), torch.no_grad():
-            tensor = param.detach()
-            if name.endswith(".base_layer.weight"):
-                tensor = tensor + _lora_delta(base.get_submodule(name.removesuffix(".base_layer.weight")))
-            elif hasattr(param, "ds_id"):
-                tensor = tensor.clone()
-            yield name.replace(".base_layer", ""), tensor
+    with UnitGatherer(model) as units:
+        for name, param in base.named_parameters(remove_duplicate=False):  # tied weights under both names
+            if "lora_" in name or "modules_to_save" in name:
+                continue
+            owner_name, _, leaf = name.rpartition(".")
+            owner = base.get_submodule(owner_name)
+            units.hold(owner)
+            with _gathered(param), torch.no_grad():
+                tensor = getattr(owner, leaf).detach()  # under FSDP2: the unsharded parameter, not `param`
+                if name.endswith(".base_layer.weight"):
+                    tensor = tensor + _lora_delta(base.get_submodule(name.removesuffix(".base_layer.weight")))
+                elif hasattr(param, "ds_id") or units.holding:
+                    tensor = tensor.clone()
+                yield name.replace(".base_layer", ""), tensor
 
 
 def _lora_delta(layer: torch.nn.Module) -> torch.Tensor | int:
