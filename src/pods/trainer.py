@@ -435,8 +435,7 @@ class PODSTrainer:
         if self._saved is not None and self._saved[0] == state.step:
             return self._saved[1]  # already saved (or resumed from) at this step
         state.last_save_seconds = state.train_seconds
-        # FSDP2: the full weights, gathered by every process (get_state_dict returns them on the main one)
-        weights = self.accelerator.get_state_dict(self.model) if self.accelerator.is_fsdp2 else None
+        weights = self._gathered_weights()  # every process takes part
         folder = save_checkpoint(
             self.accelerator,
             self.checkpoint_root,
@@ -447,6 +446,18 @@ class PODSTrainer:
         )
         self._saved = (state.step, folder)
         return folder
+
+    def _gathered_weights(self) -> dict[str, torch.Tensor] | None:
+        """FSDP2: the full weights for the export, gathered by every process (a collective; on the main
+        process), without a tied weight's second name (save_pretrained cannot tell gathered copies are tied).
+        None elsewhere: save_pretrained reads the model itself."""
+        if not self.accelerator.is_fsdp2:
+            return None
+        weights = self.accelerator.get_state_dict(self.model)
+        model = self.accelerator.unwrap_model(self.model)
+        aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        aliases -= {name for name, _ in model.named_parameters()}
+        return {name: value for name, value in weights.items() if name not in aliases}
 
     def _export(self, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
         """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``; ``weights``
