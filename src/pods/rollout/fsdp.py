@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["UnitGatherer", "is_fsdp2"]
+__all__ = ["UnitGatherer"]
 
 
 def _fsdp_module_class() -> type | None:
@@ -21,12 +21,6 @@ def _fsdp_module_class() -> type | None:
     except ImportError:  # a torch without FSDP2
         return None
     return FSDPModule
-
-
-def is_fsdp2(model: torch.nn.Module) -> bool:
-    """Whether any part of ``model`` is sharded by FSDP2."""
-    unit = _fsdp_module_class()
-    return unit is not None and any(isinstance(module, unit) for module in model.modules())
 
 
 class UnitGatherer:
