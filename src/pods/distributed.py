@@ -23,8 +23,8 @@ def require_every_launched_process(accelerator: Any) -> None:
         raise ConfigError(
             f"the launcher started {launched} processes (WORLD_SIZE) but accelerate runs this one as "
             f"{accelerator.num_processes} of {accelerator.num_processes} ({accelerator.distributed_type.value}), "
-            "so each would train alone into the same run folder; DeepSpeed and FSDP need GPUs under accelerate "
-            "(on a CPU, launch with --multi_gpu and ACCELERATE_USE_CPU=true)"
+            "so each would train alone into the same run folder (accelerate does this with DeepSpeed on machines "
+            "without a GPU: there, launch with --multi_gpu and ACCELERATE_USE_CPU=true)"
         )
 
 
