@@ -1,7 +1,7 @@
 """How fast the embedded task is made and solved: distinct problems generated per second, and (with
 ``--model``) the shipped model's sampling speed with HF ``generate`` and a KV cache.
 
-    python benchmarks/arith_generation.py [--problems 50000] [--model]
+    python benchmarks/arith_generation.py [--problems 50000] [--model] [--smoke]
 """
 
 from __future__ import annotations
@@ -36,7 +36,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", type=int, default=50_000)
     parser.add_argument("--model", action="store_true", help="also time the shipped model's sampling")
+    parser.add_argument(
+        "--smoke", action="store_true", help="smallest size, a few seconds (with the model): that it runs"
+    )
     args = parser.parse_args()
+    sampling_sizes = ((16, 4), (16, 16), (16, 64))
+    if args.smoke:
+        args.problems, args.model, sampling_sizes = 200, True, ((2, 2),)
     for difficulty in (1, 3, 5):
         for split in (None, "train", "test"):
             n = args.problems if split != "test" else args.problems // 10
@@ -45,7 +51,7 @@ def main() -> None:
                 f"difficulty {difficulty}, split {split or 'any':5}: {rate:10,.0f} distinct problems/s ({n:,})"
             )
     if args.model:
-        for prompts, per_prompt in ((16, 4), (16, 16), (16, 64)):
+        for prompts, per_prompt in sampling_sizes:
             seconds = shipped_model_sampling_seconds(prompts, per_prompt)
             print(
                 f"shipped model: {prompts} prompts x {per_prompt} samples x 32 tokens: {seconds:.2f} s (median of 3)"

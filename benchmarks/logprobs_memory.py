@@ -2,6 +2,7 @@
 
     python benchmarks/logprobs_memory.py                      # [8, 256, 32000] float32 logits
     python benchmarks/logprobs_memory.py --vocab 151665 --dtype bfloat16
+    python benchmarks/logprobs_memory.py --smoke              # [1, 8, 512]: that it runs
 
 Each measurement runs in a fresh process, after the logits exist. On CUDA the figure is
 ``max_memory_allocated`` above the baseline. On CPU it is the process's peak resident set (VmHWM,
@@ -110,8 +111,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="smallest size, a few seconds: that it runs")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.length, args.vocab = 1, 8, 512
     shape, dtype = (args.batch, args.length, args.vocab), getattr(torch, args.dtype)
     if args.worker:
         print(json.dumps(measure(*args.worker, shape, dtype, args.device)))
@@ -127,15 +131,27 @@ def main() -> None:
     for mode in MODES:
         peaks = []
         for method in METHODS:
+            if args.smoke:  # in this process: whether it runs, not what it measures
+                peaks.append(measure(method, mode, shape, dtype, args.device) / 2**20)
+                continue
             result = subprocess.run(
                 [*base_cmd, "--worker", method, mode], capture_output=True, text=True, check=True, env=env
             )
             peaks.append(json.loads(result.stdout.strip().splitlines()[-1]) / 2**20)
-        print(f"{mode:<10}" + "".join(f"{p:>20.1f}" for p in peaks) + f"{peaks[1] / peaks[0]:>10.3f}")
+        print(f"{mode:<10}" + "".join(f"{p:>20.1f}" for p in peaks) + f"{_ratio(peaks[1], peaks[0]):>10.3f}")
     print("seconds per call (warm, median of 3):")
     for mode in MODES:
         seconds = [warm_seconds(method, mode, shape, dtype, args.device) for method in METHODS]
-        print(f"{mode:<10}" + "".join(f"{t:>20.3f}" for t in seconds) + f"{seconds[1] / seconds[0]:>10.3f}")
+        print(
+            f"{mode:<10}"
+            + "".join(f"{t:>20.3f}" for t in seconds)
+            + f"{_ratio(seconds[1], seconds[0]):>10.3f}"
+        )
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b; NaN when b is 0 (a --smoke size can peak at no measurable memory)."""
+    return a / b if b else float("nan")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 Run from the project root: ``python benchmarks/rewards.py``. Prints a table of completions per second
 for each reward, the agreement of ``accuracy_reward`` with the ``is_correct`` labels of real GSM8K model
 solutions (gsm8k/example_model_solutions.jsonl), and the MATH-500 self-check through math-verify.
+``--smoke`` uses the first 20 rows of each file: that it runs.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -28,15 +30,19 @@ def _rate(fn, completions: list, golds: list[str]) -> tuple[float, list[float]]:
 
 
 def main() -> None:
-    gsm = _jsonl(DATA / "gsm8k" / "test.jsonl")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="the first 20 rows of each file: that it runs")
+    args = parser.parse_args()
+    rows = 20 if args.smoke else None
+    gsm = _jsonl(DATA / "gsm8k" / "test.jsonl")[:rows]
     solutions = [r["answer"] for r in gsm]
     golds = [s.rsplit("####", 1)[1].strip().replace(",", "") for s in solutions]
     print("| reward | data | completions/s |\n|---|---|---|")
     for fn in (accuracy_reward, format_reward, tag_reward):
         rate, _ = _rate(fn, solutions, golds)
-        print(f"| {fn.__name__} | GSM8K test solutions (1319) | {rate:,.0f} |")
+        print(f"| {fn.__name__} | GSM8K test solutions ({len(solutions)}) | {rate:,.0f} |")
 
-    examples = _jsonl(DATA / "gsm8k" / "example_model_solutions.jsonl")
+    examples = _jsonl(DATA / "gsm8k" / "example_model_solutions.jsonl")[:rows]
     texts, labels, gold_answers = [], [], []
     for row, gold in zip(examples, golds, strict=True):
         for value in row.values():
@@ -54,20 +60,24 @@ def main() -> None:
         f"{false_pos} scored 1 but labelled wrong, {false_neg} scored 0 but labelled right"
     )
 
-    math = _jsonl(DATA / "math500" / "test.jsonl")
+    math = _jsonl(DATA / "math500" / "test.jsonl")[:rows]
     math_solutions, math_golds = [r["solution"] for r in math], [r["answer"] for r in math]
     math_accuracy_reward(None, ["\\boxed{1}"], answer=["1"])  # start the math-verify child untimed
     rate, scores = _rate(math_accuracy_reward, math_solutions, math_golds)
-    print(f"\nmath_accuracy_reward, MATH-500 own solutions: {sum(scores):.0f}/500, {rate:,.0f} completions/s")
+    print(
+        f"\nmath_accuracy_reward, MATH-500 own solutions: {sum(scores):.0f}/{len(math)}, {rate:,.0f} completions/s"
+    )
     start = time.perf_counter()
     verified = sum(verify_with_math_verify(s, g) for s, g in zip(math_solutions, math_golds, strict=True))
     seconds = time.perf_counter() - start
-    print(f"math-verify alone (no fast path): {verified}/500 in {seconds:.1f} s ({500 / seconds:,.0f}/s)")
+    print(
+        f"math-verify alone (no fast path): {verified}/{len(math)} in {seconds:.1f} s ({len(math) / seconds:,.0f}/s)"
+    )
     others = math_golds[1:] + math_golds[:1]
     _, crossed = _rate(math_accuracy_reward, math_solutions, others)
     same = sum(a == b for a, b in zip(math_golds, others, strict=True))
     print(
-        f"MATH-500 solutions against the next problem's answer: {sum(crossed):.0f}/500 score 1 ({same} equal answers)"
+        f"MATH-500 solutions against the next problem's answer: {sum(crossed):.0f}/{len(math)} score 1 ({same} equal answers)"
     )
 
 

@@ -1,6 +1,6 @@
 """Rollout engines side by side in one process: Hugging Face ``generate`` against vLLM (colocated, in-process).
 
-    python benchmarks/rollout_engines.py [--repeats 3] [--output rollout_engines.json]
+    python benchmarks/rollout_engines.py [--repeats 3] [--output rollout_engines.json] [--smoke]
 
 1. the embedded model (float32), 16 arithmetic test prompts x n in {4, 16, 64}, <= 32 new tokens, T = 1;
 2. a long-prompt case: GSM8K test prompts in the paper's chat format, a tiny random Qwen2 model with the
@@ -14,7 +14,8 @@
 Generation figures are medians over ``--repeats`` rounds (one for the long case) after one warm-up call per
 engine, the two engines called in turn within each round so that both see the same load; both go through
 ``RolloutEngine.generate`` (real rollouts: EOS ends a completion), so tokens generated are reported too.
-Both engines run with torch's threads (all cores).
+Both engines run with torch's threads (all cores). ``--smoke``: 2 prompts, n = 2, 4 tokens, one round: that it
+runs.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def side_by_side(calls: dict, repeats: int, label: str) -> dict[str, tuple[float
     return result
 
 
-def embedded_setup():
+def embedded_setup(count: int = 16):
     from transformers import AutoModelForCausalLM
 
     from pods.data.arith import format_prompt, generate_problems
@@ -60,11 +61,11 @@ def embedded_setup():
 
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
     tokenizer = load_tokenizer(str(default_model_path()))
-    prompts = [format_prompt(p.question) for p in generate_problems(16, seed=1, split="test")]
+    prompts = [format_prompt(p.question) for p in generate_problems(count, seed=1, split="test")]
     return model, tokenizer, prompts
 
 
-def long_prompt_setup():
+def long_prompt_setup(count: int = 8):
     """A 2-layer Qwen2 with the real Qwen2.5 tokenizer (~10M parameters, the embedding dominates)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -88,14 +89,14 @@ def long_prompt_setup():
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).eval()
     rows = load_task(
-        "gsm8k", "test", source=str(SHARED / "gsm8k"), prompt_style="chat", tokenizer=tokenizer, limit=8
+        "gsm8k", "test", source=str(SHARED / "gsm8k"), prompt_style="chat", tokenizer=tokenizer, limit=count
     )
     prompts = [render_prompt(rows[i]["prompt"], tokenizer) for i in range(len(rows))]
     return model, tokenizer, prompts
 
 
 def update_seconds(model, tokenizer, prompts: list[str], repeats: int) -> float:
-    """Median seconds of one PODS update on 16 prompts x 4 kept completions (fixed rollouts)."""
+    """Median seconds of one PODS update on ``prompts`` x 4 kept completions (fixed rollouts)."""
     from pods.loss import completion_logprobs, policy_loss
 
     torch.manual_seed(0)
@@ -137,13 +138,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", help="also write the figures to this JSON file")
+    parser.add_argument("--smoke", action="store_true", help="smallest sizes, one round: that it runs")
     args = parser.parse_args()
     results: dict = {"torch_threads": torch.get_num_threads()}
+    # prompts, n values and new tokens of the embedded cases; prompts, n and new tokens of the long case
+    count, sizes, tokens, long_count, long_n, long_tokens, kv_cache_gb = 16, (4, 16, 64), 32, 8, 8, 128, 1.0
+    if args.smoke:
+        args.repeats, count, sizes, tokens, long_count, long_n, long_tokens, kv_cache_gb = (
+            1,
+            2,
+            (2,),
+            4,
+            2,
+            2,
+            4,
+            0.05,
+        )
 
-    model, tokenizer, prompts = embedded_setup()
-    long_model, long_tokenizer, long_prompts = long_prompt_setup()
-    short = SamplingParams(max_new_tokens=32, temperature=1.0)
-    long = SamplingParams(max_new_tokens=128, temperature=1.0)
+    model, tokenizer, prompts = embedded_setup(count)
+    long_model, long_tokenizer, long_prompts = long_prompt_setup(long_count)
+    short = SamplingParams(max_new_tokens=tokens, temperature=1.0)
+    long = SamplingParams(max_new_tokens=long_tokens, temperature=1.0)
 
     # The update first, before any vLLM engine exists in the process.
     results["update_seconds_without_engine"] = update_seconds(model, tokenizer, prompts, args.repeats)
@@ -154,13 +169,13 @@ def main() -> None:
     start = time.perf_counter()
     from pods.rollout.vllm import VLLMEngine
 
-    vllm = VLLMEngine(model, tokenizer)
+    vllm = VLLMEngine(model, tokenizer, kv_cache_gb=kv_cache_gb)
     results["vllm_startup_seconds"] = time.perf_counter() - start  # import, engine, first weight push
     results["vllm_first_call_seconds"] = _first_call(vllm, prompts, short)
     start = time.perf_counter()
     vllm.sync_weights(model)
     results["vllm_sync_seconds"] = time.perf_counter() - start
-    for n in (4, 16, 64):
+    for n in sizes:
         pair = side_by_side(
             {
                 "hf": lambda n=n: hf.generate(prompts, n, short),
@@ -175,11 +190,11 @@ def main() -> None:
     vllm.close()
 
     hf_long = HFGenerateEngine(long_model, long_tokenizer, generation_batch_size=256)
-    vllm_long = VLLMEngine(long_model, long_tokenizer)
+    vllm_long = VLLMEngine(long_model, long_tokenizer, kv_cache_gb=kv_cache_gb)
     pair = side_by_side(
         {
-            "hf": lambda: hf_long.generate(long_prompts, 8, long),
-            "vllm": lambda: vllm_long.generate(long_prompts, 8, long),
+            "hf": lambda: hf_long.generate(long_prompts, long_n, long),
+            "vllm": lambda: vllm_long.generate(long_prompts, long_n, long),
         },
         1,
         "long prompts",
@@ -190,12 +205,11 @@ def main() -> None:
         f"torch threads: {results['torch_threads']} (with the vLLM engine: {results['torch_threads_with_engine']})"
     )
     print("| case | HF generate | vLLM | speed-up |\n|---|---|---|---|")
-    for key, label in [
-        ("embedded_n4", "embedded, 16 prompts x 4, 32 tokens"),
-        ("embedded_n16", "embedded, 16 prompts x 16, 32 tokens"),
-        ("embedded_n64", "embedded, 16 prompts x 64, 32 tokens"),
-        ("long", "GSM8K chat prompts, tiny Qwen-vocab model, 8 x 8, 128 tokens"),
-    ]:
+    cases = [(f"embedded_n{n}", f"embedded, {count} prompts x {n}, {tokens} tokens") for n in sizes]
+    cases.append(
+        ("long", f"GSM8K chat prompts, tiny Qwen-vocab model, {long_count} x {long_n}, {long_tokens} tokens")
+    )
+    for key, label in cases:
         (hf_s, hf_tokens), (vllm_s, vllm_tokens) = results[f"hf_{key}"], results[f"vllm_{key}"]
         print(
             f"| {label} | {hf_s:.2f} s ({hf_tokens} tokens) | {vllm_s:.2f} s ({vllm_tokens} tokens) "
@@ -207,7 +221,7 @@ def main() -> None:
         f"{results['vllm_first_call_seconds']:.2f} s; weight push {results['vllm_sync_seconds'] * 1000:.0f} ms"
     )
     print(
-        f"update (16 prompts x m = 4): {results['update_seconds_without_engine']:.3f} s without the engine, "
+        f"update ({count} prompts x m = 4): {results['update_seconds_without_engine']:.3f} s without the engine, "
         f"{results['update_seconds_with_engine']:.3f} s with it resident"
     )
     if args.output:

@@ -2,7 +2,7 @@
 code's per-group Python loop (sort, then recompute the variance of each of the m + 1 candidates) and
 brute force over all subsets where that is feasible. All measured side by side in one run.
 
-    python benchmarks/selection.py [--repeats 5] [--threads 2]
+    python benchmarks/selection.py [--repeats 5] [--threads 2] [--smoke]
 """
 
 from __future__ import annotations
@@ -64,7 +64,11 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="smallest sizes, one call each: that it runs")
     args = parser.parse_args()
+    sizes, growth = ((1, 64, 1024), (16, 64, 256)), (16, 64, 256, 1024, 4096)
+    if args.smoke:
+        args.repeats, args.threads, sizes, growth = 1, 1, ((1, 4), (16,)), (16, 64)
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
 
@@ -73,8 +77,8 @@ def main() -> None:
     )
     print("| G | n | m | pods max_variance | per-group loop | speed-up | brute force |")
     print("|---|---|---|---|---|---|---|")
-    for groups in (1, 64, 1024):
-        for n in (16, 64, 256):
+    for groups in sizes[0]:
+        for n in sizes[1]:
             m = n // 4
             rewards = torch.randint(0, 2, (groups, n), generator=generator).double()
             rewards += 0.1 * torch.rand(groups, n, generator=generator, dtype=torch.float64)
@@ -92,7 +96,7 @@ def main() -> None:
     print("\nGrowth with n at G = 64, m = n/4 (pods max_variance):\n")
     print("| n | time per call | time / (G n log2 n) |")
     print("|---|---|---|")
-    for n in (16, 64, 256, 1024, 4096):
+    for n in growth:
         rewards = torch.rand(64, n, generator=generator, dtype=torch.float64)
         t = seconds_per_call(select, rewards, n // 4, repeats=args.repeats)
         print(f"| {n} | {fmt(t)} | {t / (64 * n * math.log2(n)) * 1e9:.2f} ns |")

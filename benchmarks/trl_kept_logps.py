@@ -2,6 +2,7 @@
 only (TRL computes them on all n before rewards exist).
 
     python benchmarks/trl_kept_logps.py                  # n = 64, m = 16, 4 prompts, 32 tokens, 5 rounds
+    python benchmarks/trl_kept_logps.py --smoke          # n = 4, m = 2, 4 tokens, 1 round: that it runs
 
 One PODSTrainer (beta = 0.04 and num_iterations = 2, so TRL needs both reference and old log-probs) on the
 random tiny Llama of the tests; each round times ``_generate_and_score_completions`` on the same inputs
@@ -35,7 +36,10 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=16)
     parser.add_argument("--length", type=int, default=32, help="max completion tokens")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="smallest size, a few seconds: that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.n, args.m, args.length, args.rounds = 4, 2, 4, 1
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         model = build_tiny_model(Path(folder) / "tiny")

@@ -2,6 +2,7 @@
 
     python benchmarks/vs_trl.py                                   # 4 prompts x 8 completions x 32 tokens
     python benchmarks/vs_trl.py --length 128 --micro 8 --rounds 4
+    python benchmarks/vs_trl.py --smoke                           # the smallest run: that it runs
 
 Both trainers get the same random tiny Llama (its EOS lies outside the output vocabulary, so every
 completion is exactly ``--length`` tokens and both do identical work), the same prompts, the same reward,
@@ -101,6 +102,7 @@ def make_pods(model_dir: str, prompts: list[str], args, workdir: str):
         max_time=None,
         eval_at_start=False,
         eval_every_seconds=None,
+        eval_at_seconds=[],
         save_every_seconds=None,
         save_final=False,
         progress=False,
@@ -202,7 +204,11 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (1 is steadiest on a shared box)"
     )
+    parser.add_argument("--smoke", action="store_true", help="smallest size, a few seconds: that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.prompts, args.n, args.length, args.rounds, args.steps = 2, 2, 4, 2, 2
+        args.hidden, args.layers, args.vocab = 32, 1, 64
     rows = args.prompts * args.n
     args.micro = args.micro or rows
     if rows % args.micro:

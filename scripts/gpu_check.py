@@ -1,26 +1,37 @@
-"""GPU check: PODS against GRPO on a larger model of the embedded recipe, one command, no network.
+"""GPU check: PODS against GRPO on a larger model of the embedded recipe, then QLoRA with vLLM; one
+command, no network.
 
-    PYTHONPATH=src python scripts/gpu_check.py            # one GPU: about 6 minutes on an H200
-    PYTHONPATH=src python scripts/gpu_check.py --tiny     # seconds on a CPU: the same path, tiny sizes (CI)
+    PYTHONPATH=src python scripts/gpu_check.py --out gpu-check   # one GPU: under 6 minutes on an H200
+    PYTHONPATH=src python scripts/gpu_check.py --tiny            # a CPU: the same path, tiny sizes (CI)
 
 1. Builds a base model of the embedded recipe (``pods.embedded``: the arithmetic task whose "gives" steps
    the supervised data writes wrongly 60% of the time) with tens of millions of parameters, trained from
    scratch on the GPU for ``--pretrain-seconds`` (bf16 autocast), and measures its greedy accuracy.
 2. Runs ``pods compare`` on it: GRPO (n = m = 4) against PODS (n = 16, m = 4, max-variance), 64 prompts
-   per step, bf16 mixed precision, the same training-time budget per arm and seed, evaluation off the clock.
-3. Prints the base model's figures, the generation / update split of a step per arm, and the speed-ups
-   with their intervals; writes everything under ``--out`` (``gpu_check.json`` holds the figures).
+   per step, bf16 mixed precision, HF ``generate`` (``--engine``), the same training-time budget per arm
+   and seed, evaluation off the clock.
+3. When vLLM can run here (and bitsandbytes is installed): the paper's single-GPU setting in small, the
+   base in 4-bit + LoRA with the vLLM engine (built unquantized, fed dequantize(W) + LoRA delta). Counts
+   the prompts whose greedy completions from vLLM and from the HF 4-bit model agree, before and after
+   ``--qlora-seconds`` of training, and logs the sampler/trainer log-prob gap of every step.
+4. Prints the figures; writes only small files (each well under 16 MiB, at most two folders deep) under
+   ``--out``: ``gpu_check.json`` (every figure), the comparison (``summary.json``, ``evaluations.csv``, the
+   plot, ``<arm>/seed<k>/{config.yaml,metrics.jsonl,eval.jsonl}``) and ``qlora/`` (the QLoRA run's logs).
+   Models and checkpoints go to ``--work`` (a temporary folder by default, removed at the end).
 
-Needs torch, transformers, accelerate, rich, pyyaml, numpy and matplotlib; not ``datasets``, TRL or vLLM
-(the data are built in memory).
+Needs torch, transformers, accelerate, peft, rich, pyyaml, numpy and matplotlib; not ``datasets`` or TRL
+(the data are built in memory); vLLM and bitsandbytes for step 3.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +42,8 @@ from pods.data import arith
 from pods.embedded import build_base_model
 from pods.sweep import format_summary
 
+MAX_FILE_BYTES = 16 * 2**20  # what the results folder may hold per file
+
 GPU_SIZES = {  # ~34M parameters: 8 layers of width 512
     "hidden_size": 512,
     "intermediate_size": 2048,
@@ -38,9 +51,9 @@ GPU_SIZES = {  # ~34M parameters: 8 layers of width 512
     "num_attention_heads": 8,
     "num_key_value_heads": 8,
 }
-TINY_SIZES = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
+TINY_SIZES = {  # head size 32: vLLM's CPU attention has a kernel for it
+    "hidden_size": 64,
+    "intermediate_size": 128,
     "num_hidden_layers": 2,
     "num_attention_heads": 2,
     "num_key_value_heads": 2,
@@ -71,9 +84,11 @@ def compare_config(model_dir: Path, args: argparse.Namespace, device: str) -> Tr
         temperature=1.0,
         learning_rate=args.lr,
         mixed_precision="bf16" if device == "cuda" else "no",
+        rollout_engine=args.engine,
         max_time=None if args.tiny else args.budget,
         max_steps=2 if args.tiny else None,
-        eval_every_seconds=None if args.tiny else args.budget / 8,
+        eval_every_seconds=None if args.tiny else args.budget / 4,
+        eval_at_seconds=[],  # the periodic evaluations alone
         eval_batch_size=8 if args.tiny else 1000,
         save_every_seconds=None,
         save_final=False,
@@ -81,25 +96,150 @@ def compare_config(model_dir: Path, args: argparse.Namespace, device: str) -> Tr
     )
 
 
+def qlora_config(model_dir: Path, args: argparse.Namespace, device: str, output_dir: Path) -> TrainConfig:
+    """The paper's single-GPU setting in small: a 4-bit base with LoRA r=16, n = 16, m = 4, on vLLM."""
+    return TrainConfig(
+        model=str(model_dir),
+        dtype="bfloat16" if device == "cuda" else "float32",
+        load_in_4bit=True,
+        lora_r=16,
+        lora_alpha=32,
+        task="arith",
+        prompt_style="plain",
+        num_generations=16,
+        num_generations_kept=4,
+        prompts_per_step=4 if args.tiny else 16,
+        micro_batch_size=16 if args.tiny else 64,
+        max_completion_length=8 if args.tiny else 32,
+        temperature=1.0,
+        learning_rate=1e-4,
+        mixed_precision="bf16" if device == "cuda" else "no",
+        rollout_engine="vllm",
+        vllm_cpu_kv_cache_gb=0.1,
+        max_time=None if args.tiny else args.qlora_seconds,
+        max_steps=2 if args.tiny else None,
+        eval_at_start=False,
+        eval_every_seconds=None,
+        eval_at_seconds=[],
+        save_every_seconds=None,
+        save_final=False,
+        progress=False,
+        output_dir=str(output_dir),
+    )
+
+
+def greedy_agreement(trainer: Any, rows: list[dict[str, str]], max_new_tokens: int) -> float:
+    """Share of prompts whose greedy completion is the same from the trainer's vLLM engine and from HF
+    ``generate`` on the trainer's 4-bit + LoRA model."""
+    from pods.rollout import HFGenerateEngine, SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    prompts = [row["prompt"] for row in rows]
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model.eval()
+    ours = trainer.engine.generate(prompts, 1, greedy).texts
+    reference = HFGenerateEngine(model, trainer.tokenizer).generate(prompts, 1, greedy).texts
+    return sum(a == b for a, b in zip(ours, reference, strict=True)) / len(prompts)
+
+
+def qlora_vllm_check(model_dir: Path, args: argparse.Namespace, device: str, rows: dict) -> dict[str, Any]:
+    """Step 3: train the base in 4-bit + LoRA with the vLLM engine; the figures, or why it was skipped."""
+    import importlib.util
+
+    from pods.metrics import read_jsonl
+    from pods.rollout.vllm import vllm_unavailable_reason
+    from pods.trainer import PODSTrainer
+
+    reason = vllm_unavailable_reason()
+    if reason is None and importlib.util.find_spec("bitsandbytes") is None:
+        reason = "bitsandbytes is not installed"
+    if reason is not None:
+        print(f"\nQLoRA + vLLM: skipped ({reason})", flush=True)
+        return {"skipped": reason}
+    start = time.perf_counter()
+    output_dir = args.out / "qlora"
+    trainer = PODSTrainer(qlora_config(model_dir, args, device, output_dir), **rows)
+    probe = rows["eval_dataset"][: 8 if args.tiny else 64]
+    tokens = 8 if args.tiny else 32
+    try:
+        before = greedy_agreement(trainer, probe, tokens)
+        result = trainer.train()
+        after = greedy_agreement(trainer, probe, tokens)
+    finally:
+        trainer.engine.close()
+    metrics = read_jsonl(output_dir / "metrics.jsonl")
+    gaps = [row["sampling/sampling_logp_difference/mean"] for row in metrics]
+    figures = {
+        "steps": result.steps,
+        "train_seconds": result.train_seconds,
+        "greedy_agreement_before": before,
+        "greedy_agreement_after": after,
+        "sampling_logp_difference_max": max(gaps),
+        "sampling_logp_difference_mean": sum(gaps) / len(gaps),
+        "seconds_generate_per_step": sum(r["seconds_generate"] for r in metrics) / len(metrics),
+        "seconds_update_per_step": sum(r["seconds_update"] for r in metrics) / len(metrics),
+        "seconds_sync_per_step": sum(r["seconds_sync"] for r in metrics) / len(metrics),
+        "seconds": time.perf_counter() - start,
+    }
+    print(
+        f"\nQLoRA + vLLM (4-bit base + LoRA r=16, n=16, m=4): {result.steps} steps in {result.train_seconds:.0f} s; "
+        f"greedy completions equal to the HF 4-bit model's for {before:.0%} of {len(probe)} prompts before "
+        f"training, {after:.0%} after; sampler/trainer log-prob gap per token {figures['sampling_logp_difference_mean']:.2e} "
+        f"(at most {figures['sampling_logp_difference_max']:.2e}); per step: generate "
+        f"{figures['seconds_generate_per_step']:.3f} s, update {figures['seconds_update_per_step']:.3f} s, "
+        f"push {figures['seconds_sync_per_step']:.3f} s",
+        flush=True,
+    )
+    return figures
+
+
+def check_results_folder(out: Path) -> None:
+    """The results stay small and shallow: every file under 16 MiB, at most two folders below ``out``."""
+    for path in out.rglob("*"):
+        if path.is_file():
+            depth = len(path.relative_to(out).parts) - 1
+            if path.stat().st_size > MAX_FILE_BYTES or depth > 2:
+                raise SystemExit(f"gpu_check: {path} is too large or too deep for the results folder")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU (a test of the path)")
-    parser.add_argument("--out", type=Path, default=Path("runs/gpu-check"))
-    parser.add_argument("--pretrain-seconds", type=float, default=100.0)
-    parser.add_argument("--budget", type=float, default=45.0, help="training seconds per arm and seed")
+    parser.add_argument("--out", type=Path, default=Path("runs/gpu-check"), help="results (small files)")
+    parser.add_argument("--work", type=Path, default=None, help="models (default: a temporary folder)")
+    parser.add_argument("--pretrain-seconds", type=float, default=60.0)
+    parser.add_argument("--budget", type=float, default=30.0, help="training seconds per arm and seed")
+    parser.add_argument("--qlora-seconds", type=float, default=20.0, help="training seconds of step 3")
     parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--engine", default="hf", help="rollout engine of the comparison (hf, vllm, auto)")
     parser.add_argument("--lr", type=float, default=2e-5, help="RL learning rate (the compare preset's)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if device == "cpu" and not args.tiny:
         raise SystemExit("gpu_check: no CUDA device here; run with --tiny for the CPU path")
+    if args.out.is_dir() and any(args.out.iterdir()):
+        raise SystemExit(f"gpu_check: {args.out} is not empty; give --out a new folder")
     start = time.perf_counter()
     quiet_libraries()
     args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="pods-gpu-check-"))
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"gpu_check on {name}, torch {torch.__version__}", flush=True)
+    try:
+        figures = run_checks(args, device, work)
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    figures = {"device": name, "torch": torch.__version__, **figures, "seconds": time.perf_counter() - start}
+    (args.out / "gpu_check.json").write_text(json.dumps(figures, indent=2))
+    check_results_folder(args.out)
+    print(
+        f"\nWritten under {args.out}: gpu_check.json, summary.json, ... ({figures['seconds']:.0f} s in all)"
+    )
 
-    base_dir = args.out / "base-model"
+
+def run_checks(args: argparse.Namespace, device: str, work: Path) -> dict[str, Any]:
+    base_dir = work / "base-model"
     built = build_base_model(
         base_dir,
         sizes=TINY_SIZES if args.tiny else GPU_SIZES,
@@ -128,13 +268,11 @@ def main() -> None:
         "train_dataset": arith_rows("train", 20_000, 0),
         "eval_dataset": arith_rows("test", test_problems, 0),
     }
+    started = time.perf_counter()
     summary = run_comparison(
-        compare_config(base_dir, args, device),
-        args.out / "compare",
-        ["grpo", "pods"],
-        seeds,
-        trainer_kwargs=rows,
+        compare_config(base_dir, args, device), args.out, ["grpo", "pods"], seeds, trainer_kwargs=rows
     )
+    compare_seconds = time.perf_counter() - started
     print("\n" + format_summary(summary))
     grpo, pods = summary["arms"]["grpo"], summary["arms"]["pods"]
     print("\nstep split (seconds per step, mean over seeds):")
@@ -144,17 +282,14 @@ def main() -> None:
             f"= {row['seconds_per_step']:.3f} s (steps {row['steps']})"
         )
     ratio = pods["seconds_generate_per_step"] / max(grpo["seconds_generate_per_step"], 1e-9)
-    print(f"  4x the rollouts cost {ratio:.2f}x the generation time of GRPO's")
-    figures = {
-        "device": name,
+    print(f"  4x the rollouts cost {ratio:.2f}x the generation time of GRPO's", flush=True)
+    qlora = qlora_vllm_check(base_dir, args, device, rows)
+    return {
         "base_model": built,
         "summary": summary,
-        "seconds": time.perf_counter() - start,
+        "compare_seconds": compare_seconds,
+        "qlora_vllm": qlora,
     }
-    (args.out / "gpu_check.json").write_text(json.dumps(figures, indent=2))
-    print(
-        f"\nWritten: {args.out / 'gpu_check.json'}, {args.out / 'compare'} ({figures['seconds']:.0f} s in all)"
-    )
 
 
 if __name__ == "__main__":

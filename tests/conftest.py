@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,15 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# DeepSpeed compiles a C++ op the first time a process starts it on the CPU (minutes on 2 busy cores), into
+# TORCH_EXTENSIONS_DIR: ~/.cache by default, where another environment's DeepSpeed rebuilds it over ours, and
+# where a build killed half-way leaves a lock that makes every later start wait forever. Keep this
+# environment's own, built once, and drop a lock older than any build (the subprocesses inherit the setting).
+EXTENSIONS = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")))
+for lock in EXTENSIONS.glob("*/lock"):
+    if time.time() - lock.stat().st_mtime > 20 * 60:
+        lock.unlink(missing_ok=True)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from pods.auto_generations import (
+    AutoGenerations,
     choose_num_generations,
     expected_signal,
     fit_beta_binomial,
     fit_step_cost,
+    fit_success_rates,
     informative_fraction,
     kept_variance,
 )
@@ -95,6 +97,54 @@ def test_step_cost_fit() -> None:
     assert fit_step_cost({8: 0.8}, other_seconds=1.0) == pytest.approx((1.0, 0.1))  # one point: no overhead
 
 
+def test_no_success_or_no_failure_decides_by_the_rare_outcome_not_by_a_grid_corner() -> None:
+    """No group with a success: the beta-binomial likelihood has no maximum, so the rate is taken at its 95%
+    upper bound. A rare success is what every extra rollout buys (max_variance and max_reward keep it), so n
+    goes up to where the bound says successes would stop being rare; random keeps it with chance m / n."""
+    fails, all_pass, trials = [0] * 80, [8] * 80, [8] * 80
+
+    def choice(successes: list[int], rule: str) -> int:
+        return choose_num_generations(
+            step=10, m=4, low=4, high=64, rule=rule, successes=successes, trials=trials,
+            generate_seconds={8: 1.28, 16: 2.56}, other_seconds=1.0,
+        ).num_generations  # fmt: skip
+
+    alpha, beta, note = fit_success_rates(fails, trials)
+    assert alpha / (alpha + beta) == pytest.approx(1 - 0.05 ** (1 / 640)) and "upper bound" in note
+    assert choice(fails, "max_variance") >= 56 and choice(fails, "max_reward") >= 56  # was 7 and 4
+    assert choice(fails, "random") == 4
+    alpha, beta, note = fit_success_rates(all_pass, trials)
+    assert alpha / (alpha + beta) == pytest.approx(0.05 ** (1 / 640)) and "lower bound" in note
+    assert choice(all_pass, "max_variance") >= 56  # one failure among many successes: kept with 3 successes
+    assert choice(all_pass, "max_reward") == 4  # max_reward keeps the top m: only n = m keeps the failure
+    assert fit_success_rates([0, 3], [8, 8])[2] == "beta-binomial fit"
+
+
+def test_the_fixed_cost_of_a_step_includes_the_weight_sync() -> None:
+    """Every phase that does not grow with n is fixed cost: leaving vLLM's weight push out of it made a
+    bigger n look relatively dearer than it is."""
+    auto = AutoGenerations(m=4, low=4, high=64, rule="max_variance", every=1)
+    row = auto.observe(
+        1, 8, [3, 5], {"generate": 1.0, "score": 0.1, "select": 0.1, "update": 2.0, "sync": 3.0}
+    )
+    assert row["seconds_generate"] == pytest.approx(1.2) and row["seconds_other"] == pytest.approx(5.0)
+    # a GPU-like profile with a 3-s push of a large model's weights: the choice moves up with the fixed cost
+    assert decide({8: 0.6, 16: 1.2}, other_seconds=5.0) > decide({8: 0.6, 16: 1.2}, other_seconds=2.0)
+
+
+def test_a_log_with_a_step_written_twice_is_replayed_once() -> None:
+    def observation(step: int, n: int) -> dict:
+        return {"step": step, "kind": "observation", "num_generations": n, "successes": [1, 2],
+                "seconds_generate": 1.0, "seconds_other": 1.0}  # fmt: skip
+
+    earlier_attempt = [observation(1, 4), observation(2, 4)]
+    this_run = [observation(1, 8), observation(2, 8), {"step": 2, "kind": "decision", "num_generations": 6}]
+    auto = AutoGenerations(m=4, low=4, high=64, rule="max_variance", every=2)
+    auto.restore(earlier_attempt + this_run)
+    assert [(row["step"], row["num_generations"]) for row in auto.observations] == [(1, 8), (2, 8)]
+    assert auto.current == 6
+
+
 def test_auto_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="models the rules"):
         TrainConfig(num_generations="auto", selection_rule="all")
@@ -128,7 +178,9 @@ def test_trainer_chooses_n_as_it_runs_and_resumes_its_state(tiny_model_dir: Path
     assert [row["step"] for row in decisions] == [0, 2, 4]
     assert [row["num_generations"] for row in decisions[:2]] == [4, 8]
     chosen = decisions[-1]
-    assert chosen["reason"] == "most expected signal per second" and 2 <= chosen["num_generations"] <= 8
+    assert (
+        chosen["reason"].startswith("most expected signal per second") and 2 <= chosen["num_generations"] <= 8
+    )
     assert set(chosen["measured_generate_seconds"]) == {"4", "8"} and chosen["groups"] == 8  # 4 steps x 2
     assert metrics[4]["num_generations"] == chosen["num_generations"]
     observations = [row for row in log if row["kind"] == "observation"]
@@ -141,3 +193,21 @@ def test_trainer_chooses_n_as_it_runs_and_resumes_its_state(tiny_model_dir: Path
     last = [row for row in read_jsonl(tmp_path / "num_generations.jsonl") if row["kind"] == "decision"][-1]
     assert last["step"] == 6 and last["groups"] == 12  # 6 steps of observations: the earlier 5 were restored
     assert json.loads(json.dumps(last))["predicted"]  # the decision's inputs and predictions are logged
+
+
+@pytest.mark.slow
+def test_a_fresh_start_under_resume_from_auto_drops_an_earlier_attempts_log(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """resume_from: auto in a folder without checkpoints starts afresh: the observations of an attempt that
+    stopped before its first checkpoint must not stay in the log, or a later resume replays them too."""
+    auto_trainer(tiny_model_dir, tmp_path, max_steps=3, resume_from="auto", save_final=False).train()
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+    auto_trainer(tiny_model_dir, tmp_path, max_steps=4, resume_from="auto", save_final=True).train()
+    steps = [
+        row["step"] for row in read_jsonl(tmp_path / "num_generations.jsonl") if row["kind"] == "observation"
+    ]
+    assert steps == [1, 2, 3, 4]
+    auto_trainer(tiny_model_dir, tmp_path, max_steps=6, resume_from="auto").train()
+    decisions = [row for row in read_jsonl(tmp_path / "num_generations.jsonl") if row["kind"] == "decision"]
+    assert decisions[-1]["step"] == 6 and decisions[-1]["groups"] == 12  # 6 steps x 2 prompts, each once

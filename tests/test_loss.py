@@ -118,6 +118,52 @@ def test_completion_logprobs_equals_unpadded_full_forward(request, arch, tempera
     torch.testing.assert_close(micro[real], ours[real], rtol=1e-5, atol=1e-6)
 
 
+def _truncated_reference(logits: torch.Tensor, token: int, top_k: int, top_p: float) -> float:
+    """One position, written plainly: keep the top-k tokens, renormalise, then drop the least likely ones
+    while their total stays within 1 - top_p (at least one stays), renormalise, read the token's log-prob."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    kept = set(range(len(probs)))
+    if top_k:
+        kth = sorted(logits.tolist(), reverse=True)[top_k - 1]
+        kept = {i for i in kept if logits[i] >= kth}
+    mass = sum(probs[i] for i in kept)
+    dropped = 0.0
+    for i in sorted(kept, key=lambda i: probs[i].item())[:-1]:
+        if dropped + probs[i] / mass > 1 - top_p:
+            break
+        dropped += probs[i] / mass
+        kept.remove(i)
+    return math.log(probs[token] / sum(probs[i] for i in kept)) if token in kept else math.log(probs[token])
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(3, 1.0), (0, 0.6), (5, 0.8)])
+def test_truncated_completion_logprobs_are_the_renormalised_top_k_top_p_distribution(tiny, top_k, top_p):
+    model, tokenizer = tiny
+    prompts, completions, batch = _padded_batch(tokenizer)
+    # the second completion's tokens are the model's most likely ones (inside every truncation); the
+    # first's are arbitrary (mostly outside: they keep their untruncated log-prob)
+    with torch.no_grad():
+        greedy = model.generate(
+            torch.tensor([prompts[1]]), max_new_tokens=len(completions[1]), do_sample=False
+        )
+    completions[1] = greedy[0, len(prompts[1]) :].tolist()
+    batch[2][1, : len(completions[1])] = torch.tensor(completions[1])
+    with torch.no_grad():
+        ours = completion_logprobs(model, *batch, temperature=0.7, top_k=top_k, top_p=top_p, chunk_size=5)
+        full = completion_logprobs(model, *batch, temperature=0.7)
+        for row, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1] / 0.7
+            expected = [_truncated_reference(logits[t], c[t], top_k, top_p) for t in range(len(c))]
+            torch.testing.assert_close(
+                ours[row, : len(c)], torch.tensor(expected, dtype=torch.float32), atol=1e-5, rtol=1e-4
+            )
+    real = batch[3].bool()
+    assert (ours[real] >= full[real] - 1e-6).all()  # renormalised over fewer tokens: never less likely
+    assert (ours[1, : len(completions[1])] > full[1, : len(completions[1])] + 1e-3).all()
+    with pytest.raises(ValueError, match="no gradient"):
+        completion_logprobs(model, *batch, top_p=0.5)
+
+
 def test_completion_logprobs_gradients_flow_and_work_with_lora(tiny):
     from peft import LoraConfig, get_peft_model
 

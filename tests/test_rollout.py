@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -92,19 +93,37 @@ def _first_stop(tokenizer, tokens: list[int], stop: str) -> int | None:
     return None
 
 
-def test_stop_strings_cut_mask_and_text_on_the_completion_only(tiny):
-    model, tokenizer = tiny
+@pytest.fixture(scope="module")
+def embedded():
+    """The shipped arithmetic model: a word-level tokenizer, whose vocabulary HF's StopStringCriteria could not
+    read (its "abcdef" prefix is <unk> there)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pods.data.arith import format_prompt, generate_problems
+    from pods.embedded import default_model_path
+
+    prompts = [format_prompt(problem.question) for problem in generate_problems(2, seed=0)]
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path), prompts
+
+
+@pytest.mark.parametrize("which", ["tiny", "embedded"])
+def test_stop_strings_cut_mask_and_text_on_the_completion_only(which, request):
+    if which == "tiny":
+        (model, tokenizer), prompts = request.getfixturevalue("tiny"), PROMPTS
+    else:
+        model, tokenizer, prompts = request.getfixturevalue("embedded")
     engine = HFGenerateEngine(model, tokenizer)
-    free = engine.generate(PROMPTS, 1, SamplingParams(max_new_tokens=12, temperature=0))
+    free = engine.generate(prompts, 1, SamplingParams(max_new_tokens=12, temperature=0))
     text = free.texts[0]
     assert len(text) >= 6 and text[:6].isascii(), (
         f"pick another prompt: greedy text {text!r} is unusable here"
     )
     # a stop string inside the completion, and one that straddles the prompt/completion boundary
-    stops = (text[2:5], PROMPTS[0][-1] + text[0])
+    stops = (text[2:5], prompts[0][-1] + text[0])
     for stop in stops:
         r = engine.generate(
-            PROMPTS, 1, SamplingParams(max_new_tokens=12, temperature=0, stop_strings=(stop,))
+            prompts, 1, SamplingParams(max_new_tokens=12, temperature=0, stop_strings=(stop,))
         )
         tokens = free.completion_ids[0, : int(free.completion_lengths[0])].tolist()
         expected_length = _first_stop(tokenizer, tokens, stop)
@@ -115,7 +134,7 @@ def test_stop_strings_cut_mask_and_text_on_the_completion_only(tiny):
             assert r.texts[0] == text[: text.find(stop) + len(stop)]
             assert not r.truncated[0]
     never = engine.generate(
-        PROMPTS, 1, SamplingParams(max_new_tokens=12, temperature=0, stop_strings=("@@@@",))
+        prompts, 1, SamplingParams(max_new_tokens=12, temperature=0, stop_strings=("@@@@",))
     )
     assert never.texts == free.texts and torch.equal(never.completion_ids, free.completion_ids)
 
@@ -214,3 +233,21 @@ def test_select_keeps_rows_and_shrinks_padding(tiny):
         r.select(torch.ones(8, dtype=torch.bool))
     with pytest.raises(ValueError, match="inconsistent Rollouts"):
         Rollouts(**{**vars(r), "texts": r.texts[:-1]})
+
+
+def test_native_stderr_filter_drops_only_the_matching_lines_error_or_not(capfd) -> None:
+    """What C++ writes to file descriptor 2 (os.write is the same system call) passes except the matching
+    lines, also when the block fails; afterwards stderr is the real one again."""
+    from pods.rollout.native_stderr import native_stderr_without
+
+    notice = b"[W1203 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy for memory allocation\n"
+    with native_stderr_without(r"NUMA binding: Using MEMBIND"):
+        os.write(2, notice + b"a real error\n")
+    with (
+        pytest.raises(RuntimeError, match="engine failed"),
+        native_stderr_without(r"NUMA binding: Using MEMBIND"),
+    ):
+        os.write(2, b"why it failed\n" + notice)
+        raise RuntimeError("engine failed")
+    os.write(2, notice)
+    assert capfd.readouterr().err == "a real error\nwhy it failed\n" + notice.decode()

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pods.selection import available_rules, register_rule, select, subset_variance
+from pods.selection import available_rules, register_rule, select, subset_variance, uses_lengths
 
 REWARD_KINDS = ("binary", "multilevel", "continuous", "negative", "large_offset", "few_ties")
 
@@ -226,3 +226,97 @@ def test_rule_name_validation() -> None:
         register_rule("", lambda r, m, g: r)
     with pytest.raises(ValueError, match="callable"):
         register_rule("x", 3)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ length-aware rules (GFPO)
+
+
+def brute_force_best_tokens(rewards: torch.Tensor, lengths: torch.Tensor, m: int) -> tuple[torch.Tensor, ...]:
+    """Over every m-subset of each row: the largest sample variance, and the fewest tokens among the subsets
+    that reach it (within rounding): ``([G], [G])``."""
+    n = rewards.shape[1]
+    subsets = torch.tensor(list(itertools.combinations(range(n), m)))
+    variance = rewards[:, subsets].var(dim=2) if m > 1 else rewards.new_zeros(rewards.shape[0], len(subsets))
+    best = variance.max(dim=1, keepdim=True).values
+    tied = variance >= best - 1e-9 * best.abs().clamp_min(1e-12)
+    tokens = lengths[:, subsets].sum(dim=2).masked_fill(~tied, float("inf"))
+    return best.squeeze(1), tokens.min(dim=1).values
+
+
+@pytest.mark.parametrize("kind", REWARD_KINDS)
+def test_max_variance_shortest_matches_brute_force(kind: str) -> None:
+    """Max variance exactly, and among every max-variance subset the fewest tokens: checked on every subset."""
+    generator = torch.Generator().manual_seed(99)
+    shorter = 0  # instances where plain max_variance keeps more tokens: the tie-break has teeth
+    for n in range(1, 10):
+        for m in range(1, n + 1):
+            rewards = make_rewards(kind, 30, n, generator)
+            lengths = torch.randint(1, 6, (30, n), generator=generator).double()
+            kept = select(rewards, m, "max_variance_shortest", lengths=lengths)
+            assert_valid_indices(kept, 30, n, m)
+            best, fewest = brute_force_best_tokens(rewards, lengths, m)
+            got = subset_variance(rewards, kept) if m > 1 else torch.zeros(30, dtype=torch.float64)
+            torch.testing.assert_close(got, best, rtol=1e-9, atol=1e-12)
+            assert torch.equal(lengths.gather(1, kept).sum(dim=1), fewest), (n, m)
+            plain = lengths.gather(1, select(rewards, m, "max_variance")).sum(dim=1)
+            shorter += int((plain > fewest).sum())
+    assert shorter > (100 if kind in ("binary", "multilevel", "few_ties") else 0)
+
+
+def test_shortest_and_reward_per_token_match_brute_force() -> None:
+    generator = torch.Generator().manual_seed(3)
+    for n in range(1, 9):
+        for m in range(1, n + 1):
+            rewards = make_rewards("multilevel", 40, n, generator)
+            lengths = torch.randint(0, 7, (40, n), generator=generator).double()
+            subsets = torch.tensor(list(itertools.combinations(range(n), m)))
+            kept = select(rewards, m, "shortest", lengths=lengths)
+            assert_valid_indices(kept, 40, n, m)
+            fewest = lengths[:, subsets].sum(dim=2).min(dim=1).values
+            assert torch.equal(lengths.gather(1, kept).sum(dim=1), fewest)
+            kept = select(rewards, m, "reward_per_token", lengths=lengths)
+            assert_valid_indices(kept, 40, n, m)
+            efficiency = rewards / lengths.clamp_min(1)
+            best = (
+                efficiency[:, subsets].sum(dim=2).max(dim=1).values
+            )  # the m best ratios have the largest sum
+            torch.testing.assert_close(efficiency.gather(1, kept).sum(dim=1), best, rtol=1e-12, atol=1e-12)
+
+
+def test_length_rules_break_ties_as_documented() -> None:
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0, 1.0, 0.0]])
+    lengths = torch.tensor([[5.0, 2.0, 3.0, 2.0, 3.0, 9.0]])
+    assert select(rewards, 2, "shortest", lengths=lengths).tolist() == [[1, 3]]  # equal lengths: earlier
+    assert select(rewards, 2, "reward_per_token", lengths=lengths).tolist() == [[2, 4]]  # 1/3 twice: earlier
+    # Max variance keeps one 1 and one 0: the shortest of each (1 -> position 2, 0 -> position 1).
+    assert select(rewards, 2, "max_variance_shortest", lengths=lengths).tolist() == [[1, 2]]
+    assert select(rewards, 2, "max_variance").tolist() == [[1, 4]]
+    # A value on both sides of the split: [0, 1, 1, 1, 2] keeps 0, 2 and the two shortest 1s.
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 2.0, 1.0]])
+    lengths = torch.tensor([[1.0, 8.0, 9.0, 8.0, 2.0]])
+    assert select(rewards, 4, "max_variance_shortest", lengths=lengths).tolist() == [[0, 1, 3, 4]]
+
+
+def test_rules_with_and_without_lengths_share_one_protocol() -> None:
+    """Old three-argument user rules keep working (and get no lengths); a rule asking for lengths gets them."""
+    seen: list[torch.Tensor] = []
+
+    def longest(rewards: torch.Tensor, m: int, generator: torch.Generator | None, *, lengths: torch.Tensor):
+        seen.append(lengths)
+        return lengths.argsort(dim=1, descending=True, stable=True)[:, :m]
+
+    register_rule("test_longest", longest, overwrite=True)
+    assert uses_lengths("test_longest") and uses_lengths(longest)
+    assert not uses_lengths("max_variance") and not uses_lengths(lambda r, m, g: r.argsort(dim=1)[:, :m])
+    assert select([[0.0, 1.0, 2.0]], 2, "test_longest", lengths=[[3, 1, 2]]).tolist() == [[0, 2]]
+    assert seen[0].dtype == torch.float64 and seen[0].tolist() == [[3.0, 1.0, 2.0]]
+    assert select([0.0, 1.0, 2.0], 1, "shortest", lengths=[4, 2, 3]).tolist() == [1]  # one group, 1-D
+    assert select(
+        [[3.0, 1.0, 2.0]], 2, lambda r, m, g: r.argsort(dim=1)[:, :m], lengths=[[1, 1, 1]]
+    ).tolist() == [[1, 2]]
+    with pytest.raises(ValueError, match="'shortest' ranks completions by length: pass lengths"):
+        select([[1.0, 2.0]], 1, "shortest")
+    with pytest.raises(ValueError, match=r"lengths has shape \(1, 3\), but rewards has \(1, 2\)"):
+        select([[1.0, 2.0]], 1, "shortest", lengths=[[1, 2, 3]])
+    with pytest.raises(ValueError, match="non-negative"):
+        select([[1.0, 2.0]], 1, "reward_per_token", lengths=[[1, -2]])

@@ -101,7 +101,7 @@ def test_arm_settings_are_checked_before_any_training(tmp_path: Path) -> None:
 
 
 def test_summary_of_known_curves() -> None:
-    """Two seeds per arm with known curves: the numbers in the summary are the curves' own."""
+    """Three seeds per arm with known curves: the numbers in the summary are the curves' own."""
 
     def run(arm: str, seed: int, accuracy: list[float]) -> SeedRun:
         seconds = [0.0, 10.0, 20.0, 30.0, 40.0]
@@ -111,18 +111,27 @@ def test_summary_of_known_curves() -> None:
     runs = [
         run("slow", 0, [0.2, 0.3, 0.6, 0.6, 0.6]),
         run("slow", 1, [0.2, 0.4, 0.6, 0.6, 0.6]),
+        run("slow", 2, [0.2, 0.35, 0.6, 0.6, 0.6]),
         run("fast", 0, [0.2, 0.6, 0.6, 0.6, 0.6]),
         run("fast", 1, [0.2, 0.6, 0.6, 0.6, 0.6]),
+        run("fast", 2, [0.2, 0.6, 0.6, 0.6, 0.6]),
     ]
     summary = summarise(runs, [Arm("slow", {}), Arm("fast", {})], baseline="slow")
     slow, fast = summary["arms"]["slow"], summary["arms"]["fast"]
     assert slow["accuracy_at_budget"]["value"] == pytest.approx(0.6)
-    assert slow["accuracy_at_budget_se_over_problems"] == pytest.approx((0.24 / 100) ** 0.5 / 2**0.5)
+    assert slow["accuracy_at_budget_se_over_problems"] == pytest.approx((0.24 / 100) ** 0.5 / 3**0.5)
     assert fast["best_accuracy"]["value"] == pytest.approx(0.6)
     assert "speedup" not in slow and fast["speedup"]["gain_50"]["verdict"] == "faster"
-    assert fast["speedup"]["gain_50"]["value"] > 1 and fast["speedup_per_step"]["gain_50"]["value"] > 1
+    # to 40%: slow at 13.3, 10 and 12 s, fast at 5 s in every seed: the ratio of geometric means
+    assert fast["speedup"]["gain_50"]["baseline_seconds_per_seed"] == [13.333, 10.0, 12.0]
+    assert fast["speedup"]["gain_50"]["arm_seconds_per_seed"] == [5.0, 5.0, 5.0]
+    assert fast["speedup"]["gain_50"]["value"] == pytest.approx((13.333 * 10 * 12) ** (1 / 3) / 5, rel=1e-3)
+    assert fast["speedup_per_step"]["gain_50"]["value"] == pytest.approx(fast["speedup"]["gain_50"]["value"])
     assert summary["target_accuracy"] == pytest.approx(0.99 * 0.6)
-    assert "fast vs slow" in format_summary(summary)
+    assert fast["speedup"]["paper"]["level"] == summary["target_accuracy"]  # one level for both
+    assert fast["seconds_to_target"]["value"] == pytest.approx(10 * 0.394 / 0.4)  # 20% -> 60% in 10 s
+    text = format_summary(summary)
+    assert "fast vs slow" in text and "to 40.0% (50% of the gain) 2.3" in text and "faster" in text
 
 
 def test_a_baseline_naming_one_key_compares_each_arm_within_its_row_of_the_grid() -> None:
@@ -215,7 +224,7 @@ def test_an_interrupted_sweep_continues_where_it_stopped(tiny_sweep_config: Path
     output = tmp_path / "sweep"
     args = ["sweep", "--config", str(tiny_sweep_config), "--arm", "a:num_generations=2", "--arm",
             "b:num_generations=4", "--seeds", "0", "--output_dir", str(output), "--max_steps", "40",
-            "--save_every_steps", "1", "--eval_every_seconds", "null"]  # fmt: skip
+            "--save_every_steps", "1", "--eval_every_seconds", "null", "--eval_at_seconds", "[]"]  # fmt: skip
     process = subprocess.Popen(
         [sys.executable, "-m", "pods", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

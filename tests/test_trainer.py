@@ -1,5 +1,6 @@
 """The PODS trainer on a tiny real model: every rule and loss type, LoRA and full fine-tuning, learning,
-exact resume after a crash, a crash while checkpointing, and two processes under ``accelerate launch``."""
+and two processes under ``accelerate launch`` (exact resume after crashes and signals: test_reliability.py);
+the prompt filter with bounded refill and GRESO's skipping, wired into the loop, resumed exactly."""
 
 from __future__ import annotations
 
@@ -13,14 +14,33 @@ from pathlib import Path
 import pytest
 import torch
 
-from pods.checkpoint import list_checkpoints
+from pods.advantages import zero_variance_groups
+from pods.checkpoint import STATE_FILE, list_checkpoints
 from pods.config import ConfigError, TrainConfig
 from pods.metrics import TIMING_KEYS, read_jsonl
+from pods.prompt_filter import fill_groups
+from pods.prompt_skip import (
+    FAILED,
+    SOLVED,
+    GresoSettings,
+    PromptHistory,
+    adapt_exploration,
+    group_outcomes,
+    record_outcomes,
+    skip_prompts,
+)
 from pods.trainer import PODSTrainer
 
 SCRIPT = Path(__file__).parent / "scripts" / "tiny_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
-from tiny_run import TINY_SETTINGS, RecordingTrainer, count_of_a, low_token_ids, tiny_dataset  # noqa: E402
+from tiny_run import (  # noqa: E402
+    TINY_SETTINGS,
+    RecordingTrainer,
+    count_of_a,
+    half_constant,
+    low_token_ids,
+    tiny_dataset,
+)
 
 
 def tiny_config(model_dir: Path, output_dir: Path, **overrides) -> TrainConfig:
@@ -196,7 +216,7 @@ def run_script(
         [sys.executable, str(SCRIPT), str(model_dir), str(output), json.dumps(settings)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         env={**os.environ, **(env or {})},
     )
 
@@ -205,19 +225,74 @@ def learning_metrics(path: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in read_jsonl(path)]
 
 
+FILTER_AND_SKIP = {"prompt_filter": "nonzero_std", "prompt_skip": "greso", "max_num_gen_batches": 3}
+HALF_CONSTANT = {
+    "TINY_RUN_REWARD": "half_constant",
+    "TINY_RUN_DATASET_SIZE": "6",
+}  # zero-variance groups, revisits
+
+
 @pytest.mark.slow
-def test_resume_after_a_crash_is_exact(tiny_model_dir: Path, tmp_path: Path) -> None:
-    settings = {"max_steps": 4, "save_every_steps": 2, "selection_rule": "random", "num_iterations": 2}
+def test_a_4bit_lora_run_resumes_exactly_from_adapter_only_checkpoints(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """QLoRA (bitsandbytes' CPU backend): checkpoints hold the adapter (plus optimizer, scheduler, RNG), the
+    base is named and hashed in the manifest; a run killed mid-save and resumed ends as a straight run."""
+    pytest.importorskip("bitsandbytes")
+    from safetensors.torch import load_file
+
+    settings = {"max_steps": 4, "save_every_steps": 2, "load_in_4bit": True, "lora_r": 4, "lora_alpha": 8}
     straight = run_script(tiny_model_dir, tmp_path / "straight", settings)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    crashed = run_script(tiny_model_dir, tmp_path / "resumed", settings, env={"PODS_CRASH_DURING_SAVE": "4"})
+    assert crashed.returncode == 17, crashed.stderr[-3000:]
+    [checkpoint] = list_checkpoints(tmp_path / "resumed" / "checkpoints")
+    saved = load_file(checkpoint / "model.safetensors")
+    assert saved and all("lora_" in name for name in saved)  # no 4-bit base weights, no quantization state
+    base = json.loads((checkpoint / "manifest.json").read_text())["base_model"]
+    assert base["name"] == str(tiny_model_dir) and len(base["sha256"]) == 64
+
+    resumed = run_script(tiny_model_dir, tmp_path / "resumed", {**settings, "resume_from": "auto"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = torch.load(tmp_path / "straight" / "weights-rank0.pt")
+    b = torch.load(tmp_path / "resumed" / "weights-rank0.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert learning_metrics(tmp_path / "straight" / "metrics.jsonl") == learning_metrics(
+        tmp_path / "resumed" / "metrics.jsonl"
+    )
+
+    # the adapter onto another base (same architecture, other weights): refused, naming both
+    from pods.testing import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other-base", seed=1)
+    with pytest.raises(ConfigError, match="trained on the base"):
+        run_tiny(other, tmp_path / "other", **{**settings, "max_steps": 6, "resume_from": str(checkpoint)})
+
+
+@pytest.mark.slow
+def test_resume_after_a_crash_with_filter_and_skipping_is_exact(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The plain case is test_reliability.py's fault-injection test; here the refill rounds and GRESO's
+    history must come back exactly from the checkpoint."""
+    extra, env = FILTER_AND_SKIP, HALF_CONSTANT
+    settings = {
+        "max_steps": 4,
+        "save_every_steps": 2,
+        "selection_rule": "random",
+        "num_iterations": 2,
+        **extra,
+    }
+    straight = run_script(tiny_model_dir, tmp_path / "straight", settings, env)
     assert straight.returncode == 0, straight.stderr
 
     # Crash half-way through writing the step-4 checkpoint: metrics for steps 3-4 were already logged.
-    crashed = run_script(tiny_model_dir, tmp_path / "resumed", settings, env={"PODS_CRASH_DURING_SAVE": "4"})
+    crashed = run_script(
+        tiny_model_dir, tmp_path / "resumed", settings, env={**env, "PODS_CRASH_DURING_SAVE": "4"}
+    )
     assert crashed.returncode == 17, crashed.stderr
     assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "checkpoints")] == ["step-0000002"]
     assert len(read_jsonl(tmp_path / "resumed" / "metrics.jsonl")) == 4
 
-    resumed = run_script(tiny_model_dir, tmp_path / "resumed", {**settings, "resume_from": "auto"})
+    resumed = run_script(tiny_model_dir, tmp_path / "resumed", {**settings, "resume_from": "auto"}, env)
     assert resumed.returncode == 0, resumed.stderr
     assert not list((tmp_path / "resumed" / "checkpoints").glob(".partial-*"))
 
@@ -228,6 +303,16 @@ def test_resume_after_a_crash_is_exact(tiny_model_dir: Path, tmp_path: Path) -> 
     resumed_rows = learning_metrics(tmp_path / "resumed" / "metrics.jsonl")
     assert [row["step"] for row in resumed_rows] == [1, 2, 3, 4]
     assert straight_rows == resumed_rows
+    # the resumed half ran on the checkpointed history: skips and refills happened after step 2
+    late = straight_rows[2:]
+    assert sum(row["pods/skip/prompts_skipped"] for row in late) > 0, late
+    assert sum(row["pods/filter/groups_dropped"] for row in late) > 0, late
+    straight_record, resumed_record = (
+        json.loads((tmp_path / name / "record-rank0.json").read_text())["scored"]
+        for name in ("straight", "resumed")
+    )  # the resumed process scored steps 3-4 only: the same prompts, rounds, completions and rewards
+    strip = lambda scored: [{k: v for k, v in r.items() if k != "step"} for r in scored]  # noqa: E731
+    assert strip(resumed_record) == strip([r for r in straight_record if r["step"] >= 2])
 
 
 def two_process_launch(model_dir: Path, output: Path, settings: dict) -> tuple[list[str], dict[str, str]]:
@@ -278,15 +363,71 @@ def test_a_deepspeed_zero2_step_uses_our_batch_shape_and_clipping(
         "1",
     ]
     env.pop("ACCELERATE_USE_CPU")  # DeepSpeed picks its CPU accelerator itself (no GPU visible)
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "distributed: DEEPSPEED" in result.stdout
-    plain = run_script(tiny_model_dir, tmp_path / "plain", settings)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    plain, _ = run_tiny(tiny_model_dir, tmp_path / "plain", **settings)  # in this process, without DeepSpeed
     zero2 = torch.load(tmp_path / "zero2" / "weights-rank0.pt")
-    reference = torch.load(tmp_path / "plain" / "weights-rank0.pt")
+    reference = plain.accelerator.unwrap_model(plain.model).state_dict()
     for key, value in reference.items():
         torch.testing.assert_close(zero2[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def deepspeed_launch(model_dir: Path, output: Path, settings: dict, stage: int = 2):
+    """The command and environment that run tiny_run.py in one CPU process under DeepSpeed ZeRO-``stage``."""
+    command, env = two_process_launch(model_dir, output, settings)
+    at = command.index("--multi_gpu")
+    command[at : at + 3] = ["--use_deepspeed", "--zero_stage", str(stage), "--num_processes", "1"]
+    env.pop("ACCELERATE_USE_CPU")  # DeepSpeed picks its CPU accelerator itself (no GPU visible)
+    return command, env
+
+
+@pytest.mark.slow
+def test_a_non_finite_step_under_deepspeed_zero2_is_skipped(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """DeepSpeed steps inside backward: a NaN loss (injected into the 3rd training forward, step 2 of 2)
+    must leave the weights at step 1's, counted as a skipped step, with the scheduler not advanced."""
+    pytest.importorskip("deepspeed")
+    settings = {"max_steps": 2, "lr_scheduler_type": "linear"}
+    command, env = deepspeed_launch(tiny_model_dir, tmp_path / "zero2", settings)
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**env, "TINY_RUN_NAN_FORWARDS": "3"}
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "distributed: DEEPSPEED" in result.stdout
+    one_step = run_script(tiny_model_dir, tmp_path / "plain", {**settings, "max_steps": 1})
+    assert one_step.returncode == 0, one_step.stderr[-3000:]
+    guarded = torch.load(tmp_path / "zero2" / "weights-rank0.pt")
+    reference = torch.load(tmp_path / "plain" / "weights-rank0.pt")
+    for key, value in reference.items():
+        torch.testing.assert_close(guarded[key], value, rtol=1e-4, atol=1e-6, msg=key)
+    rows = read_jsonl(tmp_path / "zero2" / "metrics.jsonl")
+    assert [row["skipped_steps"] for row in rows] == [0, 1]
+    assert rows[0]["learning_rate"] == rows[1]["learning_rate"]  # the schedule did not move either
+
+
+@pytest.mark.slow
+def test_under_deepspeed_zero3_the_exported_model_holds_the_full_trained_weights(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """ZeRO-3 partitions every parameter (each process holds an empty local shard): the checkpoint's model/
+    folder is written from the gathered weights, equal to a plain run's after the same steps."""
+    pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+
+    settings = {"max_steps": 2}
+    command, env = deepspeed_launch(tiny_model_dir, tmp_path / "zero3", settings, stage=3)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plain = run_script(tiny_model_dir, tmp_path / "plain", settings)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    exported = load_file(
+        next((tmp_path / "zero3" / "checkpoints").glob("step-*")) / "model" / "model.safetensors"
+    )
+    reference = torch.load(tmp_path / "plain" / "weights-rank0.pt")
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(reference[k], initial[k]) for k in initial)  # the steps moved the weights
+    for key in initial:
+        torch.testing.assert_close(exported[key], reference[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
 @pytest.mark.slow
@@ -347,6 +488,23 @@ def test_updates_use_exactly_the_rows_the_rule_kept(tiny_model_dir: Path, tmp_pa
     assert len(set(update["texts"])) > 1
 
 
+def test_half_precision_full_fine_tuning_outside_deepspeed_is_refused_naming_the_fixes(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # why: an AdamW step of the paper's lr does not move a bfloat16 weight of 1.0 at all
+    weight = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    weight.grad = torch.ones_like(weight)
+    torch.optim.AdamW([weight], lr=5e-6).step()
+    assert torch.equal(weight.detach(), torch.ones(8, dtype=torch.bfloat16))
+    with pytest.raises(
+        ConfigError, match=r"set dtype: float32 with mixed_precision: bf16 .* DeepSpeed .* LoRA"
+    ):
+        run_tiny(tiny_model_dir, tmp_path / "full", dtype="bfloat16")
+    # LoRA on the same bfloat16 base trains float32 adapters (peft's default): accepted, and it trains
+    trainer, result = run_tiny(tiny_model_dir, tmp_path / "lora", dtype="bfloat16", lora_r=4, max_steps=1)
+    assert result.steps == 1 and all(p.dtype == torch.float32 for p in trainable_snapshot(trainer).values())
+
+
 def test_configuration_errors_before_any_work(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         PODSTrainer(
@@ -386,3 +544,158 @@ def test_existing_checkpoints_are_never_overwritten_silently(tiny_model_dir: Pat
     _, result = run_tiny(tiny_model_dir, tmp_path, max_steps=2, resume_from="auto")
     assert result.steps == 2
     assert [row["step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+# ------------------------------------------------------------------------------ prompt filter and skipping
+
+
+def scored_by_step(trainer: RecordingTrainer) -> list[list[dict]]:
+    """The scoring rounds of each step, in order."""
+    steps = [[] for _ in trainer.updates]
+    for record in trainer.scored:
+        steps[record["step"]].append(record)
+    return steps
+
+
+def question_index(question: str) -> int:
+    return int(question.split(":")[0].split()[1])
+
+
+def test_prompt_filter_refills_until_every_trained_group_has_a_spread(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Half of the prompts give all-equal rewards: the step drops them, generates again for more prompts, stops as
+    soon as it has P groups that pass, trains on exactly those, and logs what it dropped and generated."""
+    config = tiny_config(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=4,
+        prompt_filter="nonzero_std",
+        max_num_gen_batches=4,
+        save_final=False,
+    )
+    trainer = RecordingTrainer(config, reward_funcs=[half_constant], train_dataset=tiny_dataset())
+    trainer.train()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    n, m, wanted = config.num_generations, config.num_generations_kept, config.prompts_per_step
+    refilled = 0
+    for rounds, update, row in zip(scored_by_step(trainer), trainer.updates, rows, strict=True):
+        rewards = torch.cat([torch.tensor(r["rewards"], dtype=torch.float64) for r in rounds])
+        texts = [text for r in rounds for text in r["texts"]]
+        passed = ~zero_variance_groups(rewards)
+        before_last = int(passed[:-wanted].sum())
+        assert before_last < wanted, "a round ran after the step already had P groups that pass"
+        assert len(rounds) == row["pods/filter/num_gen_batches"] <= 4
+        refilled += len(rounds) > 1
+        groups = fill_groups(passed, wanted).tolist()
+        for slot, group in enumerate(groups):  # the update trains on m of each chosen group, in order
+            kept = update["texts"][slot * m : (slot + 1) * m]
+            assert all(text in texts[group * n : (group + 1) * n] for text in kept)
+        trained_passed = int(passed[groups].sum())
+        assert row["pods/filter/groups_unfilled"] == wanted - trained_passed
+        assert row["pods/filter/groups_dropped"] == len(passed) - int(passed.sum()) - (
+            wanted - trained_passed
+        )
+        assert row["pods/filter/extra_rollouts"] == (len(rounds) - 1) * wanted * n
+        assert row["frac_reward_zero_std"] == pytest.approx(1 - passed.double().mean().item())  # every round
+    assert refilled >= 2, "the reward gave too few zero-variance groups to exercise the refill"
+
+
+def test_the_refill_bound_ends_each_step_on_a_solved_dataset(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Every reward 1: no group can pass. Each step stops after max_num_gen_batches rounds and trains on the first
+    P groups (advantage 0: nothing moves), instead of generating forever."""
+
+    def always_one(prompts, completions, **columns):
+        return [1.0] * len(completions)
+
+    config = tiny_config(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=2,
+        prompt_filter="nonzero_std",
+        max_num_gen_batches=3,
+        save_final=False,
+    )
+    trainer = RecordingTrainer(config, reward_funcs=[always_one], train_dataset=tiny_dataset())
+    before = trainable_snapshot(trainer)
+    assert trainer.train().steps == 2
+    after = trainable_snapshot(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert [len(rounds) for rounds in scored_by_step(trainer)] == [3, 3]
+    for row in read_jsonl(tmp_path / "metrics.jsonl"):
+        assert (row["pods/filter/num_gen_batches"], row["pods/filter/groups_unfilled"]) == (3, 2)
+        assert (row["pods/filter/groups_dropped"], row["pods/filter/extra_rollouts"]) == (4, 16)
+    assert all(advantage == 0 for update in trainer.updates for advantage in update["advantages"])
+
+
+def test_greso_skips_as_its_history_says_and_checkpoints_the_history(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Six prompts, so each is seen again every three steps. Replaying GRESO's pure functions over every scored group
+    (record each, adapt past the first epoch) predicts exactly which prompts each step generated for and skipped, the
+    exploration rates logged, and the history in the checkpoint."""
+    config = tiny_config(tiny_model_dir, tmp_path, max_steps=9, prompt_skip="greso", save_every_steps=9)
+    trainer = RecordingTrainer(config, reward_funcs=[half_constant], train_dataset=tiny_dataset(6))
+    trainer.train()
+    settings = GresoSettings()
+    history = PromptHistory.start(settings)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    for step, (rounds, row) in enumerate(zip(scored_by_step(trainer), rows, strict=True)):
+        (scored,) = rounds  # no filter: one round
+        expected = skip_prompts(
+            trainer.prompts.candidates(step),
+            history,
+            settings,
+            config.prompts_per_step,
+            trainer._skip_generator(step, 0),
+        )
+        assert [question_index(q) for q in scored["questions"]] == expected.ids
+        assert row["pods/skip/prompts_skipped"] == expected.skipped
+        assert row["pods/skip/rollouts_saved"] == expected.skipped * config.num_generations
+        outcomes = group_outcomes(torch.tensor(scored["rewards"], dtype=torch.float64)).tolist()
+        history = record_outcomes(history, expected.ids, outcomes)
+        if trainer.prompts.epoch(step) >= 1:
+            history = adapt_exploration(history, outcomes, settings)
+        assert row["pods/skip/exploration_solved"] == history.exploration[SOLVED]
+        assert row["pods/skip/exploration_failed"] == history.exploration[FAILED]
+    assert sum(row["pods/skip/prompts_skipped"] for row in rows) > 0, (
+        "nothing was skipped: the test has no teeth"
+    )
+    assert rows[0]["pods/skip/exploration_solved"] == 0.5 != rows[-1]["pods/skip/exploration_solved"]
+    saved = json.loads((list_checkpoints(tmp_path / "checkpoints")[-1] / STATE_FILE).read_text())
+    assert PromptHistory.from_state(saved["prompt_history"], settings) == history
+
+
+@pytest.mark.slow
+def test_two_processes_each_filter_and_skip_their_own_groups(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """accelerate launch, 2 CPU processes, prompt filter and GRESO: both run the same number of rounds, each trains
+    on its own informative groups, the prompts never overlap, and the weights stay identical."""
+    settings = {"max_steps": 3, **FILTER_AND_SKIP}
+    command, env = two_process_launch(tiny_model_dir, tmp_path, settings)
+    env.update(TINY_RUN_REWARD="half_constant", TINY_RUN_DATASET_SIZE="12")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rank0, rank1 = (torch.load(tmp_path / f"weights-rank{rank}.pt") for rank in (0, 1))
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    records = [json.loads((tmp_path / f"record-rank{rank}.json").read_text()) for rank in (0, 1)]
+    steps = [[[r for r in record["scored"] if r["step"] == step] for step in range(3)] for record in records]
+    n, m, wanted = TINY_SETTINGS["num_generations"], TINY_SETTINGS["num_generations_kept"], 2
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    for step, row in enumerate(rows):
+        assert len(steps[0][step]) == len(steps[1][step]) == row["pods/filter/num_gen_batches"]
+        questions = [{q for r in steps[rank][step] for q in r["questions"]} for rank in (0, 1)]
+        assert not questions[0] & questions[1], "the processes generated for the same prompt in one step"
+        dropped = 0
+        for rank in (0, 1):
+            rewards = torch.cat([torch.tensor(r["rewards"], dtype=torch.float64) for r in steps[rank][step]])
+            texts = [text for r in steps[rank][step] for text in r["texts"]]
+            passed = ~zero_variance_groups(rewards)
+            groups = fill_groups(passed, wanted).tolist()
+            update = records[rank]["updates"][step]["texts"]
+            for slot, group in enumerate(groups):
+                assert all(
+                    text in texts[group * n : (group + 1) * n] for text in update[slot * m : (slot + 1) * m]
+                )
+            dropped += len(passed) - int(passed.sum()) - (wanted - int(passed[groups].sum()))
+        assert row["pods/filter/groups_dropped"] == dropped
+    assert sum(row["pods/filter/groups_dropped"] for row in rows) > 0

@@ -1,10 +1,12 @@
 """PODS inside TRL's GRPOTrainer, on a tiny random Llama on CPU: selection, equality with GRPO at m = n,
-the batch-arithmetic errors, two processes, and the GSM8K example's configuration."""
+the batch-arithmetic errors, two processes, the GSM8K example's configuration, the length-aware rules, and
+the prompt filter with refill and GRESO's skipping inside TRL."""
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -18,15 +20,19 @@ pytest.importorskip("trl")
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
-from pods.advantages import group_advantages
+from pods.advantages import group_advantages, zero_variance_groups
 from pods.integrations.trl import (
+    PROMPT_SKIP_STATE_FILE,
     PODSConfig,
     PODSTrainer,
     advantage_scale,
     check_batch_arithmetic,
+    concat_batches,
+    prompt_key,
     summed_rewards,
     take_rows,
 )
+from pods.prompt_filter import fill_groups
 from pods.selection import register_rule, select
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +110,10 @@ def test_misconfigured_batch_fails_when_the_config_is_built(tmp_path: Path) -> N
         ({"selection_rule": "best"}, r"unknown selection_rule 'best'; known rules: max_variance"),
         ({"selection_rule": "all", "num_generations_kept": 2}, r"'all' keeps every completion"),
         ({"multi_objective_aggregation": "normalize_then_sum"}, r"sum_then_normalize"),
+        ({"prompt_filter": "mean"}, r"unknown prompt_filter 'mean'; choose one of none, nonzero_std"),
+        ({"prompt_skip": "always"}, r"unknown prompt_skip 'always'; choose one of none, greso"),
+        ({"max_num_gen_batches": 0}, r"max_num_gen_batches must be an int of at least 1"),
+        ({"prompt_skip_target": 1.5}, r"prompt_skip_target must be in \[0, 1\)"),
     ],
 )
 def test_config_rejects_bad_pods_fields(tmp_path: Path, overrides: dict, message: str) -> None:
@@ -164,9 +174,12 @@ def test_take_rows_keeps_every_per_row_entry_and_refuses_unknown_shapes() -> Non
 # --- the trainer -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scale", ["group", "batch"])
+@pytest.mark.parametrize(
+    ("scale", "rule"),
+    [("group", "max_variance"), ("batch", "max_variance"), ("group", "max_variance_shortest")],
+)
 def test_generation_batch_keeps_the_selected_rows_of_each_group(
-    tiny_model_dir, prompts, tmp_path, scale
+    tiny_model_dir, prompts, tmp_path, scale, rule
 ) -> None:
     """One generation batch, checked row by row against an independent recomputation."""
     seen: list[list[int]] = []
@@ -182,6 +195,7 @@ def test_generation_batch_keeps_the_selected_rows_of_each_group(
         gradient_accumulation_steps=2,
         beta=0.04,
         scale_rewards=scale,
+        selection_rule=rule,
     )
     trainer = PODSTrainer(str(tiny_model_dir), recording_reward, args, prompts)  # TRL's positional order
     inputs = next(iter(trainer.get_train_dataloader()))
@@ -190,7 +204,8 @@ def test_generation_batch_keeps_the_selected_rows_of_each_group(
     trainer.model.train()
     batch = trainer._generate_and_score_completions(inputs)
     rewards = torch.tensor(token_sum_reward(seen)).view(4, 4)
-    expected = select(rewards, 2, "max_variance")
+    lengths = torch.tensor([len(ids) for ids in seen]).view(4, 4)
+    expected = select(rewards, 2, rule, lengths=lengths)
     rows = (expected + 4 * torch.arange(4).unsqueeze(1)).flatten().tolist()
     completions = [
         ids[mask.bool()].tolist()
@@ -250,6 +265,139 @@ def test_unscorable_completions_follow_trls_rule(tiny_model_dir, prompts, tmp_pa
     assert trainer._metrics["train"]["reward"] == [pytest.approx(rewards.nanmean().item())]
 
 
+def numbered_prompts(size: int) -> Dataset:
+    return Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": f"Question {i}: 3 + {i}"}], "number": i}
+            for i in range(size)
+        ]
+    )
+
+
+def half_constant_reward(completion_ids: list[list[int]], number: list[int], **kwargs) -> list[float]:
+    """Even-numbered prompts always score 1 (all-equal groups); odd ones the token-id sum modulo 4."""
+    return [1.0 if k % 2 == 0 else float(sum(ids) % 4) for ids, k in zip(completion_ids, number, strict=True)]
+
+
+def test_prompt_filter_generates_again_until_every_group_has_a_spread(tiny_model_dir, tmp_path) -> None:
+    """One generation batch with dynamic sampling: TRL generates again for more prompts while groups have
+    all-equal rewards; the batch is the first 4 groups with a spread, m of each kept, checked row by row."""
+    seen: list[list[int]] = []
+    numbers: list[int] = []
+
+    def recording(completion_ids, number, **kwargs):
+        seen.extend(completion_ids)
+        numbers.extend(number)
+        return half_constant_reward(completion_ids, number)
+
+    args = tiny_args(
+        PODSConfig,
+        tmp_path,
+        num_generations_kept=2,
+        gradient_accumulation_steps=2,
+        prompt_filter="nonzero_std",
+        max_num_gen_batches=4,
+    )
+    trainer = PODSTrainer(str(tiny_model_dir), recording, args, numbered_prompts(32))
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    rewards = torch.tensor(half_constant_reward(seen, numbers)).view(-1, 4)  # every round's groups
+    rounds = rewards.shape[0] // 4
+    passed = ~zero_variance_groups(rewards)
+    assert rounds > 1, "no group of the first round had all-equal rewards: the refill was not exercised"
+    assert int(passed[:-4].sum()) < 4, "a round ran after 4 groups had passed"
+    groups = fill_groups(passed, 4)
+    assert bool(passed[groups].all())
+    kept = select(rewards[groups], 2, "max_variance")
+    rows = (groups.unsqueeze(1) * 4 + kept).flatten().tolist()
+    completions = [
+        ids[mask.bool()].tolist()
+        for ids, mask in zip(batch["completion_ids"], batch["completion_mask"], strict=True)
+    ]
+    assert completions == [seen[r] for r in rows]
+    assert torch.equal(batch["advantages"], group_advantages(rewards[groups].gather(1, kept)).view(-1))
+    assert batch["num_items_in_batch"].item() == batch["completion_mask"].sum().item()
+    metrics = trainer._metrics["train"]
+    assert metrics["pods/filter/num_gen_batches"] == [rounds]
+    assert metrics["pods/filter/extra_rollouts"] == [(rounds - 1) * 16]
+    assert metrics["pods/filter/groups_dropped"] == [int((~passed).sum())]
+    assert metrics["pods/filter/groups_unfilled"] == [0]
+    assert len(metrics["reward"]) == rounds  # TRL's own metrics, once per round (averaged when logged)
+    # The completions table holds the last round (TRL keeps one generation's rows): trained advantages or NaN.
+    logged = torch.tensor(list(trainer._logs["advantages"])).view(4, 4)
+    last = rounds - 1
+    for group in range(4):
+        position = last * 4 + group
+        trained = (groups == position).nonzero()
+        expected_kept = kept[trained.item()].tolist() if trained.numel() else []
+        assert (~logged[group].isnan()).nonzero().flatten().tolist() == expected_kept
+
+
+def test_join_of_trl_batches_repads_each_side_and_refuses_images() -> None:
+    first = {
+        "prompt_ids": torch.tensor([[5, 6]]),
+        "prompt_mask": torch.tensor([[1, 1]]),
+        "completion_ids": torch.tensor([[7]]),
+        "completion_mask": torch.tensor([[1]]),
+        "advantages": torch.tensor([0.5]),
+        "num_items_in_batch": torch.tensor(1),
+        "old_per_token_logps": None,
+        "num_images": [0],
+    }
+    second = {
+        "prompt_ids": torch.tensor([[8]]),
+        "prompt_mask": torch.tensor([[1]]),
+        "completion_ids": torch.tensor([[9, 10, 11]]),
+        "completion_mask": torch.tensor([[1, 1, 1]]),
+        "advantages": torch.tensor([-0.5]),
+        "num_items_in_batch": torch.tensor(3),
+        "old_per_token_logps": None,
+        "num_images": [0],
+    }
+    joined = concat_batches([first, second], pad_id=0)
+    assert joined["prompt_ids"].tolist() == [[5, 6], [0, 8]] and joined["prompt_mask"].tolist() == [
+        [1, 1],
+        [0, 1],
+    ]
+    assert joined["completion_ids"].tolist() == [[7, 0, 0], [9, 10, 11]]
+    assert joined["completion_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert joined["advantages"].tolist() == [0.5, -0.5] and joined["num_items_in_batch"].item() == 4
+    assert joined["old_per_token_logps"] is None and joined["num_images"] == [0, 0]
+    with pytest.raises(ValueError, match=r"'pixel_values' over generation rounds; .* text prompts only"):
+        concat_batches([{**first, "pixel_values": object()}, {**second, "pixel_values": object()}], pad_id=0)
+    assert prompt_key({"prompt": [{"role": "user", "content": "a"}]}) == prompt_key(
+        {"prompt": [{"content": "a", "role": "user"}], "other": 1}
+    )
+
+
+def test_greso_in_trl_skips_prompts_and_checkpoints_its_history(tiny_model_dir, tmp_path) -> None:
+    """Six prompts, two per generation: GRESO skips prompts whose groups were all equal, its history goes into
+    every checkpoint, and a resume from a checkpoint without it is refused."""
+    args = tiny_args(
+        PODSConfig,
+        tmp_path,
+        num_generations_kept=2,
+        prompt_skip="greso",
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=3,
+    )
+    trainer = PODSTrainer(str(tiny_model_dir), half_constant_reward, args, numbered_prompts(6))
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "pods/skip/prompts_skipped" in log]
+    assert len(logs) == 6 and sum(log["pods/skip/prompts_skipped"] for log in logs) > 0
+    assert all(log["pods/skip/rollouts_saved"] == 4 * log["pods/skip/prompts_skipped"] for log in logs)
+    saved = json.loads((tmp_path / "checkpoint-6" / PROMPT_SKIP_STATE_FILE).read_text())
+    assert saved == trainer._pods_history.to_state() and saved["streaks"]
+    assert (tmp_path / "checkpoint-3" / PROMPT_SKIP_STATE_FILE).is_file()
+    fresh = PODSTrainer(str(tiny_model_dir), half_constant_reward, args, numbered_prompts(6))
+    (tmp_path / "checkpoint-3" / PROMPT_SKIP_STATE_FILE).unlink()
+    with pytest.raises(
+        ValueError, match=r"pods_prompt_skip\.json is missing: the checkpoint was written without"
+    ):
+        fresh.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_old_and_reference_logprobs_are_computed_on_the_kept_rows_only(
     tiny_model_dir, prompts, tmp_path, lora: bool
@@ -300,7 +448,7 @@ def test_old_and_reference_logprobs_are_computed_on_the_kept_rows_only(
         )
 
 
-@pytest.mark.parametrize("rule", ["max_variance", "max_reward", "random", "test_lowest"])
+@pytest.mark.parametrize("rule", ["max_variance", "max_reward", "random", "test_lowest", "reward_per_token"])
 def test_two_training_steps_per_rule(tiny_model_dir, prompts, tmp_path, rule: str) -> None:
     args = tiny_args(PODSConfig, tmp_path, num_generations_kept=2, selection_rule=rule)
     trainer = PODSTrainer(
@@ -324,8 +472,14 @@ def test_two_training_steps_per_rule(tiny_model_dir, prompts, tmp_path, rule: st
 
 
 @pytest.mark.slow
-def test_random_rule_draws_resume_exactly(tiny_model_dir, prompts, tmp_path) -> None:
-    """After resuming from a checkpoint, the random rule keeps what an uninterrupted run keeps."""
+@pytest.mark.parametrize("stages", [False, True], ids=["plain", "filter+skip"])
+def test_random_rule_draws_resume_exactly(tiny_model_dir, prompts, tmp_path, stages: bool) -> None:
+    """After resuming from a checkpoint, the random rule keeps what an uninterrupted run keeps; with the prompt
+    filter and GRESO, the refills and skips (the history comes from the checkpoint) are the same too."""
+    extra = (
+        {"prompt_filter": "nonzero_std", "prompt_skip": "greso", "max_num_gen_batches": 3} if stages else {}
+    )
+    dataset, reward = (numbered_prompts(6), half_constant_reward) if stages else (prompts, token_sum_reward)
 
     def run(folder, resume=None):
         args = tiny_args(
@@ -336,16 +490,27 @@ def test_random_rule_draws_resume_exactly(tiny_model_dir, prompts, tmp_path) -> 
             max_steps=4,
             save_strategy="steps",
             save_steps=2,
+            **extra,
         )
-        trainer = PODSTrainer(str(tiny_model_dir), token_sum_reward, args, prompts)
+        trainer = PODSTrainer(str(tiny_model_dir), reward, args, dataset)
         trainer.train(resume_from_checkpoint=resume)
-        return trainer, [
-            log["pods/reward_kept"] for log in trainer.state.log_history if "pods/reward_kept" in log
+        logged = [
+            {k: v for k, v in log.items() if k.startswith("pods/") or k == "reward"}
+            for log in trainer.state.log_history
+            if "pods/reward_kept" in log
         ]
+        return trainer, logged
 
     whole, kept_whole = run(tmp_path / "whole")
     resumed, kept_resumed = run(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-2"))
     assert kept_resumed == kept_whole and len(kept_whole) == 4
+    if stages:
+        assert (
+            sum(
+                log["pods/filter/groups_dropped"] + log["pods/skip/prompts_skipped"] for log in kept_whole[2:]
+            )
+            > 0
+        )
     for (name, a), b in zip(
         whole.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
     ):
@@ -387,9 +552,11 @@ def test_trainer_needs_a_pods_config(tiny_model_dir, prompts, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path) -> None:
+@pytest.mark.parametrize("mode", ["plain", "stages"])
+def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path, mode: str) -> None:
     """accelerate launch, 2 CPU processes (gloo). ``--cpu --num_processes 2`` starts ONE process in
-    accelerate 1.16, so we launch through torchrun (``--multi_gpu``) with CUDA hidden."""
+    accelerate 1.16, so we launch through torchrun (``--multi_gpu``) with CUDA hidden. ``stages``: with the
+    prompt filter and GRESO, every process refills the same number of rounds and trains on its own groups."""
     script = REPO_ROOT / "tests" / "scripts" / "trl_two_process.py"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
@@ -404,7 +571,7 @@ def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path) -> None:
         "0",
     ]
     result = subprocess.run(
-        [*command, str(script), str(tiny_model_dir), str(tmp_path)],
+        [*command, str(script), str(tiny_model_dir), str(tmp_path), mode],
         capture_output=True,
         text=True,
         timeout=300,

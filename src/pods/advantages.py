@@ -11,9 +11,21 @@ import torch
 
 from pods.selection import Rule, select
 
-__all__ = ["SCALES", "Downsampled", "downsample", "group_advantages", "nanstd", "zero_variance_groups"]
+__all__ = [
+    "EQUAL_REWARDS_RTOL",
+    "SCALES",
+    "Downsampled",
+    "downsample",
+    "group_advantages",
+    "nanstd",
+    "zero_variance_groups",
+]
 
 SCALES = ("group", "batch", "none")
+
+# Rewards of a group that differ by less than this fraction of the group's largest magnitude count as equal:
+# a float32 sum of reward functions (TRL's) or 0.1 + 0.2 against 0.3 must not turn a group "informative".
+EQUAL_REWARDS_RTOL = 1e-6
 
 
 def group_advantages(
@@ -60,9 +72,12 @@ def nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def zero_variance_groups(rewards: torch.Tensor) -> torch.Tensor:
-    """``BoolTensor[G]``: True where every (non-NaN) reward of the group is equal: no signal."""
-    filled = torch.where(rewards.isnan(), rewards.nanmean(dim=1, keepdim=True), rewards)
-    return (filled.amax(dim=1) == filled.amin(dim=1)) | filled.isnan().all(dim=1)
+    """``BoolTensor[G]``: True where every (non-NaN) reward of the group is equal: no signal. Equal up to
+    rounding: the spread is at most :data:`EQUAL_REWARDS_RTOL` times the group's largest magnitude."""
+    values = rewards.to(torch.float64)
+    filled = torch.where(values.isnan(), values.nanmean(dim=1, keepdim=True), values)
+    spread = filled.amax(dim=1) - filled.amin(dim=1)
+    return (spread <= EQUAL_REWARDS_RTOL * filled.abs().amax(dim=1)) | filled.isnan().all(dim=1)
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,7 @@ def downsample(
     eps: float = 1e-4,
     generator: torch.Generator | None = None,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> Downsampled:
     """Select m of the n rollouts of each group, then compute the kept rollouts' advantages.
 
@@ -91,7 +107,8 @@ def downsample(
     returned None"): the rule sees them at their group's mean reward (the value that adds the least spread, so
     ``max_variance`` prefers scorable ones), and the advantages leave them out (advantage 0). With
     ``scale="batch"`` the std is taken over ``gather(kept rewards)``: pass a function that collects every
-    process's kept rewards when each process holds only its own groups.
+    process's kept rewards when each process holds only its own groups. ``lengths[G, n]`` (completion tokens)
+    reaches the rules that use it (:func:`pods.selection.uses_lengths`).
     """
     if rewards.ndim != 2:
         raise ValueError(f"rewards must be [groups, n], got shape {tuple(rewards.shape)}.")
@@ -101,7 +118,7 @@ def downsample(
     if bool(unscorable.any()):
         fill = torch.nan_to_num(values.nanmean(dim=1, keepdim=True), nan=0.0).expand_as(values)
         for_rule = torch.where(unscorable, fill, values)
-    kept = select(for_rule, m, rule, generator=generator)
+    kept = select(for_rule, m, rule, generator=generator, lengths=lengths)
     kept_rewards = values.gather(1, kept).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
     batch_rewards = gather(kept_rewards) if scale == "batch" and gather is not None else None
     advantages = group_advantages(kept_rewards, scale, eps, batch_rewards=batch_rewards)

@@ -2,13 +2,15 @@
 the expected learning signal per second of training. The model (docs/auto-generations.md):
 
 * cost of a step with n:  ``seconds(n) = a + b n``; ``b`` (generating, scoring and selecting one more
-  rollout per prompt) and ``a`` (the update on the m kept rows, which does not depend on n, plus any
-  fixed generation overhead) are fitted to the step timer's measurements at the n tried so far;
+  rollout per prompt) and ``a`` (what does not depend on n: the update on the m kept rows, the rollout
+  engine's weight sync, any fixed generation overhead) are fitted to the step timer's measurements at
+  the n tried so far;
 * signal of a step with n: the expected variance of the m rewards the selection rule keeps, relative
   to the largest possible (a group whose kept rewards are all equal gives no gradient). Rewards are
   counted as successes and failures; the success rate p of a prompt varies across prompts as a
   Beta(alpha, beta) distribution fitted (maximum likelihood, beta-binomial) to the groups seen recently,
-  so the share of groups with any variance grows with n as ``1 - E[p^n] - E[(1 - p)^n]``;
+  so the share of groups with any variance grows with n as ``1 - E[p^n] - E[(1 - p)^n]`` (when no group
+  had a success, or none a failure, the rate is taken at its 95% bound instead: :func:`fit_success_rates`);
 * choice: ``argmax_n signal(n) / seconds(n)`` over ``num_generations_min .. num_generations_max``,
   re-decided every ``num_generations_every`` steps after two exploratory windows (n = 2m and 4m, within
   bounds), so that both cost parameters can be measured.
@@ -28,6 +30,8 @@ MODELLED_RULES = ("max_variance", "max_reward", "random")
 EXPLORE_FACTORS = (2, 4)  # exploratory windows at n = 2m, then 4m (clamped to the bounds)
 WINDOW_DECISIONS = 4  # groups of the last 4 decision windows inform the success-rate distribution
 TIMING_SAMPLES = 10  # the median of the last 10 step timings at each n
+GROWS_WITH_N = ("generate", "score", "select")  # step phases whose time grows with n; the rest is fixed
+POINT_MASS = 1e6  # Beta concentration that stands for "every prompt has this rate"
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -51,6 +55,25 @@ def fit_beta_binomial(successes: Sequence[int], trials: Sequence[int]) -> tuple[
     best = int(torch.argmax(log_likelihood))
     i, j = divmod(best, concentration.numel())
     return float(alpha[i, j, 0]), float(beta[i, j, 0])
+
+
+def fit_success_rates(successes: Sequence[int], trials: Sequence[int]) -> tuple[float, float, str]:
+    """``(alpha, beta)`` of the success rates across prompts and how they were found: the beta-binomial fit,
+    unless no group had a success (or none a failure). Then the likelihood has no maximum (it grows as the
+    rates go to 0 or 1) and a fit would stop at a corner of its grid; instead every prompt gets the most
+    optimistic rate the data allow: the one-sided 95% bound of a rate with 0 successes (failures) in all
+    the trials, 1 - 0.05^(1 / trials), a point mass (a rate that is merely small: the choice is then the
+    model's limit for a rare success, e.g. the largest n for max_variance, whatever the exact rate)."""
+    total = sum(trials)
+    if successes and not any(successes):
+        rate = 1 - 0.05 ** (1 / total)
+        note = f"no group had a success: every prompt at p = {rate:.4g}, the 95% upper bound"
+    elif successes and all(c == t for c, t in zip(successes, trials, strict=True)):
+        rate = 0.05 ** (1 / total)
+        note = f"no group had a failure: every prompt at p = {rate:.4g}, the 95% lower bound"
+    else:
+        return (*fit_beta_binomial(successes, trials), "beta-binomial fit")
+    return rate * POINT_MASS, (1 - rate) * POINT_MASS, note
 
 
 def _log_beta(a, b):
@@ -162,7 +185,7 @@ def choose_num_generations(
     other_seconds: float,
 ) -> Decision:
     """The n in ``low .. high`` with the most expected learning signal per second (ties: the smaller n)."""
-    alpha, beta = fit_beta_binomial(successes, trials)
+    alpha, beta, rates = fit_success_rates(successes, trials)
     a, b = fit_step_cost(generate_seconds, other_seconds)
     best_n, best_rate, predicted = low, -1.0, {}
     for n in range(low, high + 1):
@@ -181,7 +204,7 @@ def choose_num_generations(
     return Decision(
         step=step,
         num_generations=best_n,
-        reason="most expected signal per second",
+        reason=f"most expected signal per second ({rates})",
         groups=len(successes),
         alpha=alpha,
         beta=beta,
@@ -214,16 +237,18 @@ class AutoGenerations:
         return Decision(step=0, num_generations=self.explore[0], reason="exploring (window 1)")
 
     def observe(
-        self, step: int, n: int, successes: Sequence[int], generate_seconds: float, other_seconds: float
+        self, step: int, n: int, successes: Sequence[int], seconds: dict[str, float]
     ) -> dict[str, Any]:
-        """Record step ``step`` (1-based, after it ran) with n rollouts per prompt; returns the log row."""
+        """Record step ``step`` (1-based, after it ran) with n rollouts per prompt and the seconds of each of
+        its phases: generating, scoring and selecting grow with n, everything else (the update, the engine's
+        weight sync, ...) is the step's fixed cost. Returns the log row."""
         row = {
             "step": step,
             "kind": "observation",
             "num_generations": n,
             "successes": [int(c) for c in successes],
-            "seconds_generate": generate_seconds,
-            "seconds_other": other_seconds,
+            "seconds_generate": sum(v for k, v in seconds.items() if k in GROWS_WITH_N),
+            "seconds_other": sum(v for k, v in seconds.items() if k not in GROWS_WITH_N),
         }
         self.observations.append(row)
         return row
@@ -261,8 +286,10 @@ class AutoGenerations:
         return decision
 
     def restore(self, rows: list[dict[str, Any]]) -> None:
-        """Replay a log written by an earlier part of this run (exact resume)."""
-        for row in rows:
+        """Replay a log written by an earlier part of this run (exact resume). A step logged twice (a log
+        that an earlier version kept across a fresh start) counts once, as last written."""
+        latest = {(row.get("kind"), row.get("step")): row for row in rows}
+        for row in sorted(latest.values(), key=lambda row: (row["step"], row.get("kind") == "decision")):
             if row.get("kind") == "observation":
                 self.observations.append(row)
             elif row.get("kind") == "decision":

@@ -4,6 +4,10 @@ A checkpoint is written to ``.partial-step-N``, gets a manifest (every file's si
 last, and is renamed into place as ``step-N`` in one step; the last K are kept. A crash mid-write leaves the
 previous checkpoints untouched, a failed write (disk full, permissions) is an error that says so, and a
 checkpoint damaged later (a disk error, a half-copied folder) fails verification by name before any load.
+Re-saving a step that exists moves the old folder aside (``.replaced-step-N``) until the new one is in place,
+so that a crash or a second Ctrl-C at any point leaves one complete copy of the step; the next start puts
+back whatever was aside (:func:`recover_interrupted_saves`). Resuming explicitly from an older step moves the
+newer folders, another history, out of discovery's way (:func:`set_aside_newer_checkpoints`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class TrainerState:
     last_save_seconds: float = 0.0
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
     consecutive_skips: int = 0
+    prompt_history: dict[str, Any] | None = None  # prompt_skip greso's history (PromptHistory.to_state)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -113,12 +118,15 @@ def save_checkpoint(
     keep: int,
     export: Callable[[Path], None] | None = None,
     scheduler: Any = None,
+    base_model: dict[str, Any] | None = None,
 ) -> Path:
     """Save model, optimizer, scheduler, RNG states and ``state`` atomically and verifiably as ``root/step-N``.
 
     Every process must call this (each saves its own RNG state). ``export(folder)``, if given, is called on
-    the main process to also write a ready-to-use model (``save_pretrained``) inside. A failure on any
-    process raises :class:`CheckpointWriteError` on every process, after removing the partial folder.
+    the main process to also write a ready-to-use model (``save_pretrained``) inside. ``base_model`` (the
+    frozen base of an adapter-only checkpoint, see :func:`adapter_only_checkpoints`) goes into the manifest.
+    A failure on any process raises :class:`CheckpointWriteError` on every process, after removing the
+    partial folder.
     """
     final = checkpoint_dir(root, state.step)
     partial = root / f".partial-{final.name}"
@@ -134,20 +142,18 @@ def save_checkpoint(
 
     def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
+        recover_interrupted_saves(root)
 
     def finish() -> None:
         if export is not None:
             export(partial / "model")
         if scheduler is not None:
             torch.save(scheduler.state_dict(), partial / SCHEDULER_FILE)
-        _crash_point_for_tests(state.step)
+        _fault_point_for_tests(state.step, "write")
         (partial / STATE_FILE).write_text(state.to_json())
-        _write_manifest(partial)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        _fsync_directory(root)
-        # Keep the newest `keep` at or before this step (newer ones, from before a resume, get overwritten).
+        _write_manifest(partial, base_model)
+        _move_into_place(partial, final)
+        # Keep the newest `keep` at or before this step (newer ones, damaged ones `auto` skipped, get replaced).
         for old in [p for p in list_checkpoints(root) if checkpoint_step(p) <= state.step][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -186,11 +192,38 @@ def load_checkpoint(accelerator, folder: Path, scheduler: Any = None) -> Trainer
     return TrainerState(**json.loads((folder / STATE_FILE).read_text()))
 
 
-def remove_partial_checkpoints(root: Path) -> None:
-    """Delete folders left by a crash in the middle of a save."""
-    if root.is_dir():
-        for leftover in root.glob(".partial-step-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+def _move_into_place(new: Path, final: Path) -> None:
+    """Rename the complete folder ``new`` to ``final``. An existing ``final`` is moved aside first and deleted
+    only once ``new`` is in place: interrupted anywhere, one complete copy of the step remains (the old one
+    aside, or the new one in place), and :func:`recover_interrupted_saves` sorts out which."""
+    aside = _aside(final)
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)  # an older copy than ``final``, left by an earlier crash
+        os.replace(final, aside)
+        _fault_point_for_tests(checkpoint_step(final), "replace")
+    os.replace(new, final)
+    _fsync_directory(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _aside(final: Path) -> Path:
+    return final.parent / f".replaced-{final.name}"
+
+
+def recover_interrupted_saves(root: Path) -> None:
+    """Clean up after a save that a crash or a second Ctrl-C cut short: delete partial folders, and put a step
+    moved aside to be replaced back in place unless its replacement got there (then delete the old copy)."""
+    if not root.is_dir():
+        return
+    for leftover in root.glob(".partial-step-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    for aside in root.glob(".replaced-step-*"):
+        final = root / aside.name.removeprefix(".replaced-")
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, final)
+            _fsync_directory(root)
 
 
 def list_checkpoint_folders(root: Path) -> list[Path]:
@@ -200,8 +233,9 @@ def list_checkpoint_folders(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=checkpoint_step)
 
 
-def _write_manifest(folder: Path) -> None:
-    """Record every file's size and sha256 (flushed to disk) in ``manifest.json``, written last."""
+def _write_manifest(folder: Path, base_model: dict[str, Any] | None = None) -> None:
+    """Record every file's size and sha256 (flushed to disk) in ``manifest.json``, written last, and the
+    frozen base the checkpoint's adapter needs, if any."""
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         files[path.relative_to(folder).as_posix()] = {
@@ -210,7 +244,8 @@ def _write_manifest(folder: Path) -> None:
         }
     target = folder / MANIFEST_FILE
     with target.open("w") as handle:
-        json.dump({"format": 1, "files": files}, handle, indent=1)
+        extra = {"base_model": base_model} if base_model is not None else {}
+        json.dump({"format": 1, "files": files, **extra}, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -233,10 +268,15 @@ def _fsync_directory(folder: Path) -> None:
         os.close(descriptor)
 
 
-def _crash_point_for_tests(step: int) -> None:
-    """Fault injection for tests: ``PODS_CRASH_DURING_SAVE=N`` kills the process half-way through saving step N."""
-    if os.environ.get("PODS_CRASH_DURING_SAVE") == str(step):
+def _fault_point_for_tests(step: int, point: str) -> None:
+    """Fault injection for tests, saving step N: ``PODS_CRASH_DURING_SAVE=N`` kills the process half-way through
+    writing it (``N:replace``: after moving an existing step N aside, before renaming the new one in);
+    ``PODS_INTERRUPT_DURING_SAVE`` takes the same values and raises ``KeyboardInterrupt`` (a second Ctrl-C)."""
+    here = str(step) if point == "write" else f"{step}:{point}"
+    if os.environ.get("PODS_CRASH_DURING_SAVE") == here:
         os._exit(17)
+    if os.environ.get("PODS_INTERRUPT_DURING_SAVE") == here:
+        raise KeyboardInterrupt(f"PODS_INTERRUPT_DURING_SAVE={here}")
 
 
 # ---------------------------------------------------------------------------------------------- resume
@@ -245,10 +285,12 @@ def checkpoint_to_resume(accelerator, source: str | None, root: Path) -> Path | 
 
     ``source`` is ``resume_from``: None (a fresh run; an error if ``root`` already holds checkpoints),
     ``"auto"`` (the newest intact checkpoint under ``root``, if any), a checkpoint folder or a run folder.
-    Folders left by a crash mid-save are removed first. The main process chooses and tells the others.
+    A save cut short is cleaned up first (:func:`recover_interrupted_saves`). An explicit ``source`` sets aside
+    the checkpoints under ``root`` newer than the one chosen: the run continues another history from there, and
+    a later ``auto`` must not pick one of them. The main process chooses and tells the others.
     """
     if accelerator.is_main_process:
-        remove_partial_checkpoints(root)
+        recover_interrupted_saves(root)
     accelerator.wait_for_everyone()
     if source is None:
         if latest_checkpoint(root) is not None:
@@ -261,6 +303,8 @@ def checkpoint_to_resume(accelerator, source: str | None, root: Path) -> Path | 
     if accelerator.is_main_process:
         try:
             folder = find_checkpoint(source, root)
+            if folder is not None and source != "auto":
+                set_aside_newer_checkpoints(root, checkpoint_step(folder), _warn)
             choice = (str(folder) if folder else None, None)
         except ConfigError as error:
             choice = (None, str(error))
@@ -287,13 +331,40 @@ def find_checkpoint(source: str, root: Path) -> Path | None:
             )
         return path
     root = root if source == "auto" else path / "checkpoints"
-    found = newest_intact_checkpoint(root, warn=lambda text: print(f"pods: warning: {text}", file=sys.stderr))
+    found = newest_intact_checkpoint(root, warn=_warn)
     if found is None and (source != "auto" or list_checkpoint_folders(root)):
         raise ConfigError(
             f"resume_from: no intact checkpoint in {root} (expected {root}/step-N with its {STATE_FILE} "
             "and manifest.json); choose another output_dir to start afresh"
         )
     return found
+
+
+def set_aside_newer_checkpoints(root: Path, step: int, warn: Callable[[str], None]) -> Path | None:
+    """Move the step folders under ``root`` newer than ``step`` (a history a resume from ``step`` abandons) into
+    ``root/abandoned-after-step-K``, out of reach of discovery and retention; return that folder, if any."""
+    newer = [folder for folder in list_checkpoint_folders(root) if checkpoint_step(folder) > step]
+    if not newer:
+        return None
+    target = root / f"abandoned-after-{checkpoint_dir(root, step).name}"
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = root / f"abandoned-after-{checkpoint_dir(root, step).name}-{suffix}"
+    target.mkdir()
+    for folder in newer:
+        os.replace(folder, target / folder.name)
+    _fsync_directory(root)
+    names = ", ".join(folder.name for folder in newer)
+    warn(
+        f"resuming from step {step}: moved the newer checkpoints of the abandoned history ({names}) to "
+        f"{target}, so that resume_from: auto never picks them; delete that folder when you no longer need it"
+    )
+    return target
+
+
+def _warn(text: str) -> None:
+    print(f"pods: warning: {text}", file=sys.stderr)
 
 
 def resume_checkpoint(accelerator, folder: Path, scheduler: Any = None) -> TrainerState:
@@ -308,3 +379,57 @@ def resume_checkpoint(accelerator, folder: Path, scheduler: Any = None) -> Train
             f"{text.splitlines()[0] if text else 'no details'}); "
             "only resume checkpoints you trust, written by this run's model and settings"
         ) from error
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+def base_model_identity(name: str, folder: str | Path) -> dict[str, str]:
+    """``{"name", "sha256"}`` of a frozen base: its configured name, and one sha256 over its weight files
+    (``*.safetensors`` / ``*.bin`` of ``folder``, in name order)."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(_sha256(path).encode())
+    return {"name": name, "sha256": digest.hexdigest()}
+
+
+def adapter_only_checkpoints(accelerator, base_model: dict[str, str]) -> None:
+    """Make this run's checkpoints hold only the trainable (LoRA) weights of the model, besides optimizer,
+    scheduler and RNG states: megabytes, not the gigabytes of the frozen base, and no bitsandbytes 4-bit
+    state that accelerate's strict loading rejects. The base is named and hashed in the manifest; resuming
+    onto another base is refused. For runs outside DeepSpeed (DeepSpeed saves its own checkpoint format).
+    """
+
+    def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+        return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+    def keep_trainable(models: list, weights: list[dict[str, torch.Tensor]], output_dir: str) -> None:
+        for index, model in enumerate(models):
+            names = trainable(model)
+            weights[index] = {key: value for key, value in weights[index].items() if key in names}
+
+    def load_trainable(models: list, input_dir: str) -> None:
+        from safetensors.torch import load_file
+
+        recorded = json.loads((Path(input_dir) / MANIFEST_FILE).read_text()).get("base_model")
+        if recorded is not None and recorded.get("sha256") != base_model["sha256"]:
+            raise ValueError(
+                f"the checkpoint's adapter was trained on the base {recorded.get('name')!r} (weights sha256 "
+                f"{str(recorded.get('sha256'))[:12]}...), this run's base {base_model['name']!r} has other "
+                f"weights (sha256 {base_model['sha256'][:12]}...); resume with the same model"
+            )
+        for index, model in enumerate(list(models)):
+            path = Path(input_dir) / ("model.safetensors" if index == 0 else f"model_{index}.safetensors")
+            saved, names = load_file(path), trainable(model)
+            if set(saved) != set(names):
+                raise ValueError(
+                    f"{path.name} holds {len(saved)} weights, this run trains {len(names)} others (a checkpoint "
+                    "of another lora_r, lora_target_modules or model?)"
+                )
+            with torch.no_grad():
+                for name, parameter in names.items():
+                    parameter.copy_(saved[name])
+            models.remove(model)  # loaded here: accelerate loads the optimizer, scheduler and RNG states
+
+    accelerator.register_save_state_pre_hook(keep_trainable)
+    accelerator.register_load_state_pre_hook(load_trainable)

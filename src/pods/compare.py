@@ -2,9 +2,10 @@
 optionally the random and max-reward rules, as a sweep (:mod:`pods.sweep`) over named arms with GRPO as
 the baseline: the same seeds and training-time budget for every arm, evaluation off the clock.
 
-Speed-ups are read off smoothed mean curves with 95% intervals over seeds (:mod:`pods.stats`): the
-paper's metric (time for GRPO to first reach 99% of its best, over the time the arm needs to reach that
-accuracy) and the time to 50% / 90% of GRPO's gain over the starting accuracy.
+Speed-ups come with 95% intervals over seeds (:mod:`pods.stats`: each seed's crossing time read off its
+own monotone fit, Welch's interval on the log ratio): the paper's metric (time for GRPO to first reach 99%
+of its plateau, over the time the arm needs to reach that accuracy) and the time to 50% / 90% of GRPO's
+gain over the starting accuracy.
 """
 
 from __future__ import annotations

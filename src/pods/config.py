@@ -31,6 +31,8 @@ OPTIMIZERS = ("adamw", "adamw_8bit")
 EVAL_PROTOCOLS = ("greedy", "sampled")
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # auto: vLLM where it is installed and can run, else hf
 PRECISIONS = ("auto", "no", "bf16", "fp16")
+PROMPT_FILTERS = ("none", "nonzero_std")  # pods.prompt_filter (DAPO's dynamic sampling)
+PROMPT_SKIPS = ("none", "greso")  # pods.prompt_skip (GRESO)
 
 EMBEDDED_MODEL = "embedded"
 
@@ -47,7 +49,9 @@ class TrainConfig:
     lora_alpha: int = 64
     lora_dropout: float = 0.0
     lora_target_modules: list[str] | str = "all-linear"
-    load_in_4bit: bool = False  # QLoRA base (needs bitsandbytes and a GPU)
+    load_in_4bit: bool = (
+        False  # QLoRA base: NF4 computing in `dtype` (needs bitsandbytes >= 0.48; CUDA or CPU)
+    )
     gradient_checkpointing: bool = False
 
     # --- data ---
@@ -64,8 +68,13 @@ class TrainConfig:
     num_generations_max: int | None = None  # default 16 m
     num_generations_every: int = 5  # "auto" re-decides n every this many steps
     num_generations_kept: int = 4  # m: completions trained on per prompt (m = n is plain GRPO)
-    selection_rule: str = "max_variance"  # max_variance, max_reward, random, all, or a registered rule
+    selection_rule: str = "max_variance"  # or max_reward, random, all, shortest, reward_per_token,
+    # max_variance_shortest, or a registered rule (docs/selection.md)
     prompts_per_step: int = 16  # prompts per step per process
+    prompt_filter: str = "none"  # or nonzero_std: drop all-equal groups, generate for more (DAPO)
+    max_num_gen_batches: int = 4  # prompt_filter: generation rounds per step at most (first included)
+    prompt_skip: str = "none"  # or greso: skip prompts likely to give all-equal rewards (GRESO)
+    prompt_skip_target: float = 0.25  # greso: fraction of zero-variance groups its rates steer towards
     max_completion_length: int = 32
     temperature: float = 1.0
     top_p: float = 1.0
@@ -76,7 +85,8 @@ class TrainConfig:
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM may take (colocated with training)
     vllm_enable_sleep_mode: bool = False  # GPU: offload vLLM's weights and KV cache during the update
     vllm_max_model_length: int | None = None  # default: max_prompt_length + max_completion_length
-    vllm_tensor_parallel_size: int = 1
+    vllm_tensor_parallel_size: int = 1  # must be 1: one engine per process and GPU (TRL's colocate default)
+    vllm_max_num_batched_tokens: int | None = 4096  # tokens per engine forward; TRL's value (null: vLLM's)
     vllm_cpu_kv_cache_gb: float = 1.0  # CPU only: memory for vLLM's KV cache
 
     # --- rewards and loss ---
@@ -123,7 +133,8 @@ class TrainConfig:
     eval_protocol: str = "greedy"
     eval_samples: int = 5  # samples per problem for the sampled protocol
     eval_temperature: float = 0.9
-    eval_every_seconds: float | None = 30.0  # of training time; None = only at start and end
+    eval_every_seconds: float | None = 30.0  # at every multiple of this many seconds of training; None: none
+    eval_at_seconds: list[float] | None = field(default_factory=lambda: [5.0, 10.0, 20.0])  # and at these
     eval_at_start: bool = True
     eval_batch_size: int = 256
     save_every_steps: int | None = None
@@ -135,7 +146,10 @@ class TrainConfig:
     progress: bool = True  # live progress display on the main process
 
     def __post_init__(self) -> None:
+        if self.eval_at_seconds is None:  # null: none
+            self.eval_at_seconds = []
         self.validate()
+        self.eval_at_seconds = sorted({float(seconds) for seconds in self.eval_at_seconds})
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -174,6 +188,18 @@ class TrainConfig:
             f"{self.micro_batch_size} must divide the kept rows per step per process, prompts_per_step x m = "
             f"{self.prompts_per_step} x {m} = {rows}; divisors: {_divisors(rows)}",
         )
+        require_choice(self.prompt_filter, PROMPT_FILTERS, "prompt_filter")
+        _require(
+            self.max_num_gen_batches >= 1,
+            "max_num_gen_batches",
+            f"must be at least 1 (generation rounds per step, the first included), got {self.max_num_gen_batches}",
+        )
+        require_choice(self.prompt_skip, PROMPT_SKIPS, "prompt_skip")
+        _require(
+            0 <= self.prompt_skip_target < 1,
+            "prompt_skip_target",
+            f"must be in [0, 1) (a fraction of zero-variance groups), got {self.prompt_skip_target}",
+        )
         _require(self.max_completion_length >= 1, "max_completion_length", "must be at least 1")
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -195,7 +221,18 @@ class TrainConfig:
             "vllm_max_model_length",
             "must be at least 2 (prompt + completion tokens) or null",
         )
-        _require(self.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size", "must be at least 1")
+        _require(
+            self.vllm_tensor_parallel_size == 1,
+            "vllm_tensor_parallel_size",
+            f"must be 1, got {self.vllm_tensor_parallel_size}: pods runs one engine per process, each on its own "
+            "GPU (TRL's colocate mode); for more rollout throughput launch more processes (accelerate launch "
+            "--num_processes N), for a model too large for one GPU use LoRA with load_in_4bit",
+        )
+        _require(
+            self.vllm_max_num_batched_tokens is None or self.vllm_max_num_batched_tokens >= 1,
+            "vllm_max_num_batched_tokens",
+            "must be at least 1, or null for vLLM's default",
+        )
         _require(self.vllm_cpu_kv_cache_gb > 0, "vllm_cpu_kv_cache_gb", "must be positive (GiB)")
         _require(
             self.vllm_importance_sampling_cap >= 1,
@@ -253,6 +290,18 @@ class TrainConfig:
             "must be positive (seconds), or null for no limit",
         )
         _require(self.eval_samples >= 1, "eval_samples", "must be at least 1")
+        _require(
+            self.eval_every_seconds is None or self.eval_every_seconds > 0,
+            "eval_every_seconds",
+            f"must be positive (seconds of training) or null, got {self.eval_every_seconds}",
+        )
+        at = self.eval_at_seconds
+        _require(
+            isinstance(at, list | tuple)
+            and all(isinstance(x, int | float) and not isinstance(x, bool) and x > 0 for x in at),
+            "eval_at_seconds",
+            f"must be a list of positive training times in seconds, e.g. [5, 10, 20] (or [] for none), got {at!r}",
+        )
 
     def _validate_auto(self) -> None:
         from pods.auto_generations import MODELLED_RULES
@@ -391,7 +440,14 @@ def _coerce(key: str, value: Any) -> Any:
             return float(value)
         except ValueError:
             pass
-    wanted = " or ".join("null" if k is type(None) else getattr(k, "__name__", str(k)) for k in allowed)
+    wanted = " or ".join(
+        "null"
+        if k is type(None)
+        else "a list ([a, b])"
+        if get_origin(k) is list
+        else getattr(k, "__name__", str(k))
+        for k in allowed
+    )
     raise ConfigError(f"{key} must be {wanted}, got {value!r}")
 
 

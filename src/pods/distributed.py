@@ -77,3 +77,52 @@ def deepspeed_batch_settings(
         gradient_clipping=max_grad_norm,
     )
     plugin.deepspeed_config.pop("train_batch_size", None)  # DeepSpeed derives it from the two above
+    zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
+    if zero.get("stage") == 3:  # the exported model/ folder needs the gathered weights (exported_state_dict)
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+
+
+def exported_state_dict(accelerator: Any, model: Any) -> dict[str, torch.Tensor] | None:
+    """The model's full weights for an export, gathered from every process under DeepSpeed ZeRO-3 or FSDP2 (a
+    collective: call on every process; the main process gets them); None elsewhere, where
+    ``save_pretrained`` reads the model itself. Without it, the export would hold each parameter's local
+    shard. A tied weight keeps its first name only: gathered copies no longer share storage, so
+    ``save_pretrained`` would write both."""
+    plugin = accelerator.state.deepspeed_plugin
+    zero3 = plugin is not None and plugin.deepspeed_config.get("zero_optimization", {}).get("stage") == 3
+    if not (zero3 or accelerator.is_fsdp2):
+        return None
+    weights = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    aliases = {name for name, _ in unwrapped.named_parameters(remove_duplicate=False)}
+    aliases -= {name for name, _ in unwrapped.named_parameters()}
+    return {name: value for name, value in weights.items() if name not in aliases}
+
+
+def deepspeed_guards_non_finite_steps(model: Any) -> None:
+    """Make a DeepSpeed engine skip any optimizer step whose gradients hold NaN/inf, as pods' guard does.
+
+    DeepSpeed steps inside ``backward``, before pods sees the gradients, so the skip has to be DeepSpeed's:
+    its ZeRO optimizers check the partitioned gradients (across ranks) when ``check_grad_overflow`` is on,
+    which a bf16 config may turn off and which fp32 only does through the gradient norm; pods turns it on.
+    Without a ZeRO optimizer (stage 0) DeepSpeed has no such check: refused. No-op for other models.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if not hasattr(model, "was_step_applied") or optimizer is None:
+        return
+    if not hasattr(optimizer, "overflow"):
+        from pods.errors import ConfigError
+
+        raise ConfigError(
+            "DeepSpeed without ZeRO (zero_stage 0) applies optimizer steps with NaN/inf gradients, past pods' "
+            "non-finite guard; use zero_stage 1, 2 or 3 in the accelerate config"
+        )
+    if hasattr(optimizer, "check_grad_overflow"):
+        optimizer.check_grad_overflow = True
+
+
+def step_was_applied(model: Any) -> bool:
+    """Whether the optimizer step DeepSpeed took inside the last boundary ``backward`` was applied (it skips
+    one with NaN/inf gradients); True for any other model, whose step pods takes itself."""
+    applied = getattr(model, "was_step_applied", None)
+    return True if applied is None else bool(applied())

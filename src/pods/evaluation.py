@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,6 +31,17 @@ class EvalResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def next_evaluation_seconds(after: float | None, every: float | None, at: Sequence[float]) -> float | None:
+    """The training time of the next evaluation due after one at ``after`` seconds (None: none yet): the
+    earliest of the times ``at`` and the multiples of ``every`` that lies beyond it; None when there is none.
+    A step that passes several due times is followed by one evaluation, which counts for all of them."""
+    after = after or 0.0
+    due = [seconds for seconds in at if seconds > after]
+    if every is not None:
+        due.append(every * (math.floor(after / every + 1e-9) + 1))
+    return min(due, default=None)
 
 
 def follows_format(text: str, prompt_style: str) -> bool:
@@ -58,7 +70,8 @@ def evaluate(
     """Score ``model`` on every row of ``dataset`` (columns ``prompt``, ``answer``), sharded over processes.
 
     ``engine`` samples the completions (the trainer passes its own, which holds the training weights);
-    by default HF ``generate`` on ``model``.
+    by default HF ``generate`` on ``model``. HF ``generate`` gets ``batch_size`` completions per call; any
+    other engine (vLLM, which schedules its own batches) gets the whole set in one call.
     """
     from pods.prompts import render_prompt
 
@@ -73,7 +86,8 @@ def evaluate(
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     rows = [dataset[i] for i in range(rank, len(dataset), world)]
     engine = engine or HFGenerateEngine(model, tokenizer, generation_batch_size=batch_size)
-    prompts_per_batch = max(1, batch_size // k)
+    chunked = isinstance(engine, HFGenerateEngine)
+    prompts_per_batch = max(1, batch_size // k) if chunked else max(1, len(rows))
 
     start = time.perf_counter()
     totals = torch.zeros(3, dtype=torch.float64)  # correct, formatted, both

@@ -3,7 +3,8 @@
 - :func:`selected_token_logprobs`: ``log p(token)`` from logits, chunk by chunk, never holding a full
   ``[B, L, V]`` log-softmax (with a 151k vocabulary that tensor would dominate memory).
 - :func:`completion_logprobs`: log-probs of completion tokens under a causal LM (prompt + completion in
-  one forward, positions from the attention mask, only the logits that are needed).
+  one forward, positions from the attention mask, only the logits that are needed); optionally under the
+  top-k / top-p truncated, renormalised distribution a sampler draws from (no gradient).
 - :func:`policy_loss`: the clipped surrogate, an optional k3 KL penalty and the token aggregation modes,
   written so that summing the losses of micro-batches gives exactly the loss of the whole batch.
 """
@@ -94,6 +95,26 @@ def _chunk_grad(logits: Tensor, token_ids: Tensor, grad_out: Tensor, temperature
     return grad.to(logits.dtype)
 
 
+def _chunk_truncated_logprobs(
+    logits: Tensor, token_ids: Tensor, temperature: float, top_k: int, top_p: float
+) -> Tensor:
+    """log-probs under softmax(logits / T) restricted to its top-k, then to its top-p nucleus, renormalised
+    (vLLM's rule: drop the least likely tokens while their total stays within 1 - top_p). A token outside
+    the kept set gets its untruncated log-prob (finite, so a mismatch shows as a gap, not as infinity)."""
+    scaled = _scaled(logits, temperature)
+    full = torch.log_softmax(scaled, dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    if 0 < top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = scaled.sort(dim=-1)
+        dropped = torch.softmax(ascending, dim=-1).cumsum(dim=-1) <= 1 - top_p
+        dropped[..., -1] = False  # the most likely token always stays
+        scaled = scaled.scatter(-1, order, ascending.masked_fill(dropped, float("-inf")))
+    truncated = torch.log_softmax(scaled, dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    return torch.where(torch.isfinite(truncated), truncated, full)
+
+
 def selected_token_logprobs(
     logits: Tensor, token_ids: Tensor, temperature: float = 1.0, chunk_size: int | None = None
 ) -> Tensor:
@@ -144,8 +165,14 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> Tensor:
     """Log-probs ``[B, Lc]`` (float32) of ``completion_ids`` under ``model`` given left-padded prompts.
+
+    With ``top_k > 0`` or ``top_p < 1`` they are the log-probs under the truncated, renormalised
+    distribution a top-k / top-p sampler draws from (what vLLM reports as its processed log-probs); only
+    without gradients.
 
     Positions come from the attention mask, so a left-padded row scores exactly as it would unpadded.
     Inputs may live on the CPU (as :class:`pods.rollout.Rollouts` does): they are moved to the model's
@@ -190,7 +217,25 @@ def completion_logprobs(
     ).logits
     # The logit at position t predicts token t + 1: the last width + 1 logits minus the final one.
     logits = logits[:, -(width + 1) : -1]
-    logprobs = selected_token_logprobs(logits, completion_ids[:, :width].to(device), temperature, chunk_size)
+    targets = completion_ids[:, :width].to(device)
+    if top_k > 0 or top_p < 1.0:
+        if torch.is_grad_enabled():
+            raise ValueError(
+                "top-k / top-p truncated log-probs have no gradient; compute them under no_grad."
+            )
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}.")
+        step = max(1, (chunk_size or CHUNK_ELEMENTS // max(logits.shape[-1], 1)) // width)
+        logprobs = torch.cat(
+            [
+                _chunk_truncated_logprobs(
+                    logits[r : r + step], targets[r : r + step], temperature, top_k, top_p
+                )
+                for r in range(0, batch, step)
+            ]
+        )
+    else:
+        logprobs = selected_token_logprobs(logits, targets, temperature, chunk_size)
     return torch.nn.functional.pad(logprobs, (0, num_completion - width))
 
 
@@ -335,6 +380,9 @@ def truncated_importance_weights(
     A sampler such as vLLM computes slightly different probabilities than the trained model (other
     kernels, other precision): the surrogate's gradient is only unbiased for tokens drawn from the
     trainer's policy, so each token is reweighted by the ratio of the two, truncated to bound the variance.
+    With top-p < 1 or top-k > 0 the sampler's log-probs are those of the truncated, renormalised
+    distribution, so against the trainer's full distribution the weights are at most about 1 (the kept
+    mass), as in TRL.
     """
     if cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}.")

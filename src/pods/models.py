@@ -9,7 +9,8 @@ import torch
 
 from pods.config import EMBEDDED_MODEL, ConfigError, TrainConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The configuration's dtype names.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -37,6 +38,16 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+def local_model_folder(name: str) -> Path:
+    """The folder on this machine holding the model ``name`` names (a hub name: its cached snapshot)."""
+    path = Path(resolve_model_path(name))
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, local_files_only=True))
+
+
 def load_tokenizer(name: str, padding_side: str = "left"):
     """The tokenizer with left padding (generation) and a pad token (falls back to EOS)."""
     from transformers import AutoTokenizer
@@ -61,7 +72,7 @@ def load_policy(config: TrainConfig, device: torch.device | None = None) -> Poli
 
     kwargs: dict = {}
     if config.dtype != "auto":
-        kwargs["dtype"] = _DTYPES[config.dtype]
+        kwargs["dtype"] = DTYPES[config.dtype]
     if config.load_in_4bit:
         kwargs["quantization_config"] = _four_bit_config(config)
     try:
@@ -109,27 +120,35 @@ def load_reference(config: TrainConfig) -> torch.nn.Module:
     """A frozen copy of the starting weights for the KL term (full fine-tuning only; LoRA disables its adapter)."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": _DTYPES[config.dtype]} if config.dtype != "auto" else {}
+    kwargs = {"dtype": DTYPES[config.dtype]} if config.dtype != "auto" else {}
     reference = AutoModelForCausalLM.from_pretrained(resolve_model_path(config.model), **kwargs)
     reference.requires_grad_(False)
     return reference.eval()
 
 
 def _four_bit_config(config: TrainConfig):
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            "load_in_4bit needs a CUDA GPU (bitsandbytes 4-bit kernels); set load_in_4bit: false"
-        )
+    """NF4 with double quantization (the QLoRA recipe), computing in the run's dtype (bfloat16 for ``auto``)."""
     try:
-        import bitsandbytes  # noqa: F401
+        import bitsandbytes
         from transformers import BitsAndBytesConfig
     except ImportError:
-        raise ConfigError("load_in_4bit needs bitsandbytes: pip install bitsandbytes") from None
+        raise ConfigError(
+            "load_in_4bit needs bitsandbytes >= 0.48: pip install 'bitsandbytes>=0.48'"
+        ) from None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:  # bitsandbytes >= 0.48 has CPU kernels; older ones (and broken CUDA set-ups) fail here, not mid-load
+        bitsandbytes.functional.quantize_4bit(torch.ones(64, device=device), quant_type="nf4")
+    except Exception as error:
+        raise ConfigError(
+            f"load_in_4bit: bitsandbytes {bitsandbytes.__version__} cannot quantize to 4-bit on {device} "
+            f"({type(error).__name__}); install bitsandbytes >= 0.48, or set load_in_4bit: false"
+        ) from None
+    compute = DTYPES.get(config.dtype, torch.bfloat16)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_compute_dtype=compute,
     )
 
 

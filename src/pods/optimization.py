@@ -11,8 +11,23 @@ from pods.config import TrainConfig
 from pods.errors import ConfigError
 
 
-def build_optimizer(config: TrainConfig, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW (torch) or 8-bit AdamW (bitsandbytes, the paper's single-GPU setting) over ``parameters``."""
+def build_optimizer(
+    config: TrainConfig, parameters: list[torch.nn.Parameter], *, deepspeed: bool = False
+) -> torch.optim.Optimizer:
+    """AdamW (torch) or 8-bit AdamW (bitsandbytes, the paper's single-GPU setting) over ``parameters``.
+
+    Outside DeepSpeed (which keeps float32 master weights of its own) the trainable weights must be float32:
+    these optimizers update weights in place, and a bfloat16 weight near 1 cannot move by less than 2**-8,
+    so updates of a learning rate like 5e-6 round away. Half-precision trainable weights are refused.
+    """
+    half = sorted({str(p.dtype).removeprefix("torch.") for p in parameters if p.dtype in _HALF})
+    if half and not deepspeed:
+        raise ConfigError(
+            f"dtype: the trained weights are {', '.join(half)}, and {config.optimizer} would update them in "
+            "place, rounding small updates away; set dtype: float32 with mixed_precision: bf16 (float32 "
+            "master weights, bfloat16 compute), launch with DeepSpeed (accelerate launch --config_file "
+            "configs/accelerate/deepspeed_zero2.yaml keeps float32 master weights), or train LoRA (lora_r > 0)"
+        )
     kwargs = {
         "lr": config.learning_rate,
         "betas": (config.adam_beta1, config.adam_beta2),
@@ -25,6 +40,9 @@ def build_optimizer(config: TrainConfig, parameters: list[torch.nn.Parameter]) -
             raise ConfigError("optimizer: adamw_8bit needs bitsandbytes (pip install bitsandbytes)") from None
         return bnb.optim.AdamW8bit(parameters, **kwargs)
     return torch.optim.AdamW(parameters, **kwargs)
+
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> Any:

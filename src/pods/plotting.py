@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +23,26 @@ def load_run(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
     return (read_jsonl(metrics) if metrics.is_file() else []), (read_jsonl(evals) if evals.is_file() else [])
 
 
+# Metrics renamed since runs were first written (to TRL's names, commit fa0ed00): new name -> old name.
+OLD_METRIC_NAMES = {"reward": "reward_mean_all"}
+
+
+def metric_column(rows: list[dict], key: str, path: Path) -> list[float]:
+    """``key`` of every row read from ``path`` (under its old name in files written before the renames);
+    a one-line error naming the file and the row if a row has neither name."""
+    old = OLD_METRIC_NAMES.get(key)
+    values = []
+    for number, row in enumerate(rows, start=1):
+        name = key if key in row else old if old in row else None
+        if name is None:
+            raise ConfigError(
+                f"{path}: row {number} has no '{key}'{f' (nor its old name {old!r})' if old else ''}; "
+                "pods plot reads the metrics.jsonl and eval.jsonl that pods train writes (see docs/metrics.md)"
+            )
+        values.append(math.nan if row[name] is None else row[name])  # null: a non-finite value was logged
+    return values
+
+
 def plot_runs(
     run_dirs: Sequence[str | Path], output: str | Path, labels: Sequence[str] | None = None
 ) -> Path:
@@ -35,15 +56,14 @@ def plot_runs(
     figure, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for run_dir, label in zip(run_dirs, labels, strict=True):
         metrics, evals = load_run(run_dir)
+        metrics_file, eval_file = Path(run_dir) / "metrics.jsonl", Path(run_dir) / "eval.jsonl"
         for column, x_key in enumerate(("train_seconds", "step")):
             if evals:
-                axes[0, column].plot(
-                    [r[x_key] for r in evals], [100 * r["accuracy"] for r in evals], "o-", label=label
-                )
+                accuracy = [100 * value for value in metric_column(evals, "accuracy", eval_file)]
+                axes[0, column].plot(metric_column(evals, x_key, eval_file), accuracy, "o-", label=label)
             if metrics:
-                axes[1, column].plot(
-                    [r[x_key] for r in metrics], _smooth([r["reward"] for r in metrics]), label=label
-                )
+                rewards = _smooth(metric_column(metrics, "reward", metrics_file))
+                axes[1, column].plot(metric_column(metrics, x_key, metrics_file), rewards, label=label)
     for column, x_label in enumerate(("training wall-clock (s, evaluation excluded)", "step")):
         axes[0, column].set(xlabel=x_label, ylabel="held-out accuracy (%)")
         axes[1, column].set(xlabel=x_label, ylabel="mean reward of all n rollouts (smoothed)")
@@ -58,29 +78,42 @@ def plot_runs(
 
 
 def plot_sweep_curves(
-    curves: dict[str, list[tuple[list[float], list[float]]]], output: str | Path, title: str
+    curves: dict[str, list[tuple[list[float], list[float]]]],
+    output: str | Path,
+    title: str,
+    target: float | None = None,
 ) -> Path:
-    """Accuracy against training time per arm: the mean over seeds (points), its 95% band over seeds
-    (shaded) and the smoothed monotone curve the speed-ups are read from (dashed)."""
+    """Accuracy against training time per arm: every seed's evaluations (dots), their mean (line) with its
+    95% band over seeds (shaded, t-interval), its isotonic fit (dashed, a guide for the eye) and the
+    ``target`` accuracy the speed-ups time (dotted)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    from pods.stats import common_grid, smoothed_mean_curve
+    from pods.stats import evaluation_times, mean_curve_band
 
     figure, axis = plt.subplots(figsize=(8, 5))
     for arm, runs in curves.items():
-        grid = common_grid([runs])
-        mean, smoothed, band = smoothed_mean_curve(runs, grid)
+        grid = evaluation_times(runs)
+        mean, fitted, band = mean_curve_band(runs, grid)
         label = f"{arm} ({len(runs)} seed{'s' if len(runs) != 1 else ''})"
-        (line,) = axis.plot(grid, 100 * mean, "o-", markersize=3, linewidth=1, label=label)
+        (line,) = axis.plot(grid, 100 * mean, "-", linewidth=1, label=label)
         axis.fill_between(grid, 100 * (mean - band), 100 * (mean + band), alpha=0.15, color=line.get_color())
-        axis.plot(grid, 100 * smoothed, "--", color=line.get_color(), linewidth=1.5)
+        axis.plot(grid, 100 * fitted, "--", color=line.get_color(), linewidth=1.5)
+        for seconds, accuracy in runs:  # every evaluation of every seed
+            axis.plot(
+                seconds, 100 * np.asarray(accuracy), ".", markersize=3, alpha=0.35, color=line.get_color()
+            )
+    if target is not None:
+        axis.axhline(
+            100 * target, color="gray", linestyle=":", linewidth=1, label=f"target {100 * target:.1f}%"
+        )
     axis.set(
         xlabel="training wall-clock (s, evaluation excluded)",
         ylabel="held-out accuracy (%)",
-        title=title + "\n(dashed: smoothed, monotone; the speed-ups are read from it)",
+        title=title + "\n(dashed: monotone fit of the mean; speed-ups are read off each seed's own fit)",
     )
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)

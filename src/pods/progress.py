@@ -6,6 +6,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 
 class TrainingProgress:
@@ -20,8 +21,8 @@ class TrainingProgress:
         self._progress = Progress(
             TextColumn("[bold]step {task.fields[step]}"),
             BarColumn(),
-            TextColumn("{task.fields[budget]}"),
-            TextColumn("{task.fields[metrics]}"),
+            TextColumn("{task.fields[budget]}", markup=False),
+            TextColumn("{task.fields[metrics]}", markup=False),
             TimeElapsedColumn(),
             console=self.console,
             disable=not enabled,
@@ -48,5 +49,6 @@ class TrainingProgress:
         self._progress.update(self._task, completed=done, step=step, budget=budget, metrics=text)
 
     def message(self, text: str) -> None:
+        """Print ``text`` above the bar as written (``pods[vllm]`` is not rich markup), unwrapped."""
         if self.enabled:
-            self._progress.console.print(text)
+            self._progress.console.print(Text(text), soft_wrap=True)  # the terminal wraps, not rich

@@ -2,7 +2,9 @@
 
 Every rule maps a reward matrix ``rewards[G, n]`` (G groups, n rollouts each) and a count ``m`` to
 ``indices[G, m]``: for each group, m distinct positions into that group's row. Groups never mix: a
-rule sees all groups at once only so that it can work on them in one vectorised pass.
+rule sees all groups at once only so that it can work on them in one vectorised pass. A rule that
+declares a keyword parameter ``lengths`` also receives the completions' token counts ``[G, n]``
+(the length-aware rules below); other rules are called exactly as before.
 
 Built-in rules return each row's indices in ascending order:
 
@@ -15,20 +17,39 @@ Built-in rules return each row's indices in ascending order:
 - ``max_reward``: the m highest rewards (ties go to earlier rollouts).
 - ``random``: m distinct rollouts uniformly at random, reproducible with a ``torch.Generator``.
 - ``all``: every rollout (m must equal n): plain GRPO.
+- ``shortest`` (GFPO's shortest-k): the m shortest completions (ties go to earlier rollouts).
+- ``reward_per_token`` (GFPO's token efficiency): the m highest reward / length ratios (length counted
+  as at least 1 token; ties go to earlier rollouts).
+- ``max_variance_shortest``: a max-variance subset, and among all max-variance subsets one with the
+  fewest tokens in total, exactly. Every max-variance subset keeps the same multiset of reward values
+  as one of the tied "t highest + m - t lowest" splits, so for each tied split it keeps, within each
+  reward value, the shortest completions, and takes the split with the fewest tokens (ties: the
+  fewest highest, as ``max_variance``; then earlier rollouts).
 
 Users add rules with :func:`register_rule`; their output is validated before it is used.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["Rule", "available_rules", "get_rule", "register_rule", "select", "subset_variance"]
+__all__ = [
+    "Rule",
+    "available_rules",
+    "get_rule",
+    "register_rule",
+    "select",
+    "subset_variance",
+    "uses_lengths",
+]
 
-Rule = Callable[[torch.Tensor, int, "torch.Generator | None"], torch.Tensor]
-"""A rule: ``fn(rewards[G, n] float64, m, generator) -> indices[G, m]`` (integer tensor)."""
+Rule = Callable[..., torch.Tensor]
+"""A rule: ``fn(rewards[G, n] float64, m, generator) -> indices[G, m]`` (integer tensor); a rule that
+declares a keyword parameter ``lengths`` is called as ``fn(rewards, m, generator, lengths=lengths)``
+with the completion lengths in tokens (float64 ``[G, n]``)."""
 
 # Relative tolerance under which two candidate splits count as equally good (absorbs rounding).
 _TIE_RTOL = 1e-10
@@ -37,32 +58,84 @@ _TIE_RTOL = 1e-10
 def max_variance(rewards: torch.Tensor, m: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """Exact max-variance subset of size m per row, in O(n log n) per row, vectorised over rows."""
     num_groups, n = rewards.shape
-    # Bring each row to [-1, 1], centre it (so that large offsets such as 1e6 + noise do not cancel in
-    # E[r^2] - E[r]^2), then scale the deviations to [-1, 1]: squares neither overflow (rewards above
-    # ~1e154) nor underflow (spreads below ~1e-154). Scaling a row does not change its best subset.
-    centred = rewards / _row_scale(rewards)
-    centred = centred - centred.mean(dim=1, keepdim=True)
-    centred = centred / _row_scale(centred)
-    ascending, order = torch.sort(centred, dim=1, stable=True)
-    zeros = centred.new_zeros(num_groups, 1)
-    prefix = torch.cat([zeros, ascending.cumsum(dim=1)], dim=1)  # prefix[:, i] = sum of i lowest
-    prefix_sq = torch.cat([zeros, (ascending * ascending).cumsum(dim=1)], dim=1)
-
-    num_top = torch.arange(m + 1, device=rewards.device)  # t = how many of the highest to keep
-    num_low = m - num_top
-    total, total_sq = prefix[:, n : n + 1], prefix_sq[:, n : n + 1]
-    sums = prefix[:, num_low] + total - prefix[:, n - num_top]
-    sums_sq = prefix_sq[:, num_low] + total_sq - prefix_sq[:, n - num_top]
-    spread = sums_sq - sums * sums / m  # = (m - 1) * sample variance of the split; [G, m + 1]
-
-    best = spread.max(dim=1, keepdim=True).values
-    is_best = spread >= best - _TIE_RTOL * best.abs().clamp_min(1e-300)
-    best_top = is_best.int().argmax(dim=1, keepdim=True)  # first (fewest highest) among the best
+    ascending, order = torch.sort(_centred(rewards), dim=1, stable=True)
+    best_top = _best_splits(_split_spreads(ascending, m)).int().argmax(dim=1, keepdim=True)  # fewest highest
 
     # Kept position j of the ascending order is j for the m - t lowest, else n - m + j.
     positions = torch.arange(m, device=rewards.device).expand(num_groups, m)
     sorted_positions = torch.where(positions < m - best_top, positions, positions + (n - m))
     return order.gather(1, sorted_positions)
+
+
+def max_variance_shortest(
+    rewards: torch.Tensor,
+    m: int,
+    generator: torch.Generator | None = None,
+    *,
+    lengths: torch.Tensor,
+) -> torch.Tensor:
+    """A max-variance subset of size m per row with the fewest tokens among all max-variance subsets, exactly."""
+    if m == 1:  # every single rollout has variance 0: the shortest one
+        return shortest(rewards, m, generator, lengths=lengths)
+    num_groups, n = rewards.shape
+    # Ascending rewards, equal rewards by ascending length, then by position (two stable sorts).
+    by_length = torch.sort(lengths, dim=1, stable=True).indices
+    by_reward = torch.sort(rewards.gather(1, by_length), dim=1, stable=True).indices
+    order = by_length.gather(1, by_reward)
+    values = rewards.gather(1, order)
+    is_best = _best_splits(_split_spreads(_centred(values), m))  # [G, m + 1]; centring keeps the order
+
+    # For each split t, its sorted positions [m + 1, m]; then, within each run of equal rewards, the same
+    # number of positions taken from the start of the run (its shortest completions): same values, same variance.
+    t = torch.arange(m + 1, device=rewards.device).unsqueeze(1)
+    j = torch.arange(m, device=rewards.device).unsqueeze(0)
+    positions = torch.where(j < m - t, j, j + (n - m)).expand(num_groups, m + 1, m)
+    starts_run = torch.ones_like(values, dtype=torch.bool)
+    starts_run[:, 1:] = values[:, 1:] != values[:, :-1]
+    run_start = (torch.arange(n, device=rewards.device) * starts_run).cummax(dim=1).values  # [G, n]
+    kept_run = run_start.unsqueeze(1).expand(num_groups, m + 1, n).gather(2, positions)  # [G, m + 1, m]
+    first_in_run = torch.ones_like(kept_run, dtype=torch.bool)
+    first_in_run[..., 1:] = kept_run[..., 1:] != kept_run[..., :-1]
+    first_j = (j * first_in_run).cummax(dim=2).values  # index among the kept of the run's first one
+    run_prefix = kept_run + (j - first_j)
+
+    sorted_lengths = lengths.gather(1, order).unsqueeze(1).expand(num_groups, m + 1, n)
+    tokens = sorted_lengths.gather(2, run_prefix).sum(dim=2)  # [G, m + 1]
+    tokens = tokens.masked_fill(~is_best, float("inf"))
+    best = tokens.argmin(dim=1)  # the first (fewest highest) among the shortest best splits
+    chosen = run_prefix[torch.arange(num_groups, device=rewards.device), best]
+    return order.gather(1, chosen)
+
+
+def _centred(rewards: torch.Tensor) -> torch.Tensor:
+    """Each row brought to [-1, 1], centred (so that large offsets such as 1e6 + noise do not cancel in
+    E[r^2] - E[r]^2), then its deviations scaled to [-1, 1]: squares neither overflow (rewards above
+    ~1e154) nor underflow (spreads below ~1e-154). Scaling a row does not change its best subset, and the
+    map is increasing, so it keeps the rewards' order."""
+    centred = rewards / _row_scale(rewards)
+    centred = centred - centred.mean(dim=1, keepdim=True)
+    return centred / _row_scale(centred)
+
+
+def _split_spreads(ascending: torch.Tensor, m: int) -> torch.Tensor:
+    """``[G, m + 1]``: (m - 1) x the sample variance of "the t highest plus the m - t lowest" for t = 0..m,
+    from each row's ascending values, with prefix sums of r and r^2 (O(1) per split)."""
+    num_groups, n = ascending.shape
+    zeros = ascending.new_zeros(num_groups, 1)
+    prefix = torch.cat([zeros, ascending.cumsum(dim=1)], dim=1)  # prefix[:, i] = sum of i lowest
+    prefix_sq = torch.cat([zeros, (ascending * ascending).cumsum(dim=1)], dim=1)
+    num_top = torch.arange(m + 1, device=ascending.device)  # t = how many of the highest to keep
+    num_low = m - num_top
+    total, total_sq = prefix[:, n : n + 1], prefix_sq[:, n : n + 1]
+    sums = prefix[:, num_low] + total - prefix[:, n - num_top]
+    sums_sq = prefix_sq[:, num_low] + total_sq - prefix_sq[:, n - num_top]
+    return sums_sq - sums * sums / m
+
+
+def _best_splits(spread: torch.Tensor) -> torch.Tensor:
+    """``BoolTensor[G, m + 1]``: the splits whose spread is the row's largest (within rounding)."""
+    best = spread.max(dim=1, keepdim=True).values
+    return spread >= best - _TIE_RTOL * best.abs().clamp_min(1e-300)
 
 
 def _row_scale(values: torch.Tensor) -> torch.Tensor:
@@ -85,6 +158,21 @@ def random_subset(rewards: torch.Tensor, m: int, generator: torch.Generator | No
     return keys.argsort(dim=1)[:, :m].to(rewards.device)
 
 
+def shortest(
+    rewards: torch.Tensor, m: int, generator: torch.Generator | None = None, *, lengths: torch.Tensor
+) -> torch.Tensor:
+    """GFPO's shortest-k: the m shortest completions per row; among equal lengths, earlier rollouts first."""
+    return torch.sort(lengths, dim=1, stable=True).indices[:, :m]
+
+
+def reward_per_token(
+    rewards: torch.Tensor, m: int, generator: torch.Generator | None = None, *, lengths: torch.Tensor
+) -> torch.Tensor:
+    """GFPO's token efficiency: the m highest reward / length per row (length at least 1); ties to earlier rollouts."""
+    efficiency = rewards / lengths.clamp_min(1.0)
+    return torch.sort(efficiency, dim=1, descending=True, stable=True).indices[:, :m]
+
+
 def keep_all(rewards: torch.Tensor, m: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """Every rollout: no down-sampling (GRPO). Requires m == n."""
     num_groups, n = rewards.shape
@@ -98,6 +186,9 @@ _BUILTIN_RULES: dict[str, Rule] = {
     "max_reward": max_reward,
     "random": random_subset,
     "all": keep_all,
+    "shortest": shortest,
+    "reward_per_token": reward_per_token,
+    "max_variance_shortest": max_variance_shortest,
 }
 _RULES: dict[str, Rule] = dict(_BUILTIN_RULES)
 
@@ -106,7 +197,8 @@ def register_rule(name: str, fn: Rule, *, overwrite: bool = False) -> None:
     """Make ``fn`` available as ``select(..., rule=name)`` (and by name in configs and the CLI).
 
     ``fn(rewards, m, generator)`` receives float64 rewards ``[G, n]`` on the caller's device and must
-    return an integer tensor ``[G, m]`` of distinct positions per row; this is checked on every call.
+    return an integer tensor ``[G, m]`` of distinct positions per row; this is checked on every call. Give
+    ``fn`` a keyword parameter ``lengths`` to also receive the completion lengths (float64 ``[G, n]``).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"a rule name must be a non-empty string, got {name!r}.")
@@ -126,6 +218,15 @@ def available_rules() -> list[str]:
     return list(_RULES)
 
 
+def uses_lengths(rule: str | Rule) -> bool:
+    """Whether ``rule`` (a name or a callable) takes the completion lengths: it has a parameter ``lengths``."""
+    fn = rule if callable(rule) else get_rule(rule)
+    try:
+        return "lengths" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature (some builtins): the old protocol
+        return False
+
+
 def get_rule(name: str) -> Rule:
     """The rule registered under ``name``, or a ``ValueError`` listing the known names."""
     if name not in _RULES:
@@ -139,13 +240,15 @@ def select(
     rule: str | Rule = "max_variance",
     *,
     generator: torch.Generator | None = None,
+    lengths: torch.Tensor | Sequence[Sequence[float]] | Sequence[float] | None = None,
 ) -> torch.Tensor:
     """Indices of the m rollouts to keep in each group, as a ``LongTensor[G, m]`` (ascending per row).
 
     ``rewards`` is ``[G, n]`` (a tensor or a list of lists), or ``[n]`` for one group, in which case
     the result is ``[m]``. ``rule`` is a registered name or a callable with the :data:`Rule` signature.
-    The objective is always computed in float64, whatever the input's dtype; the result lives on the
-    input's device.
+    ``lengths`` (completion tokens, the same shape as ``rewards``) is required by the rules that use it
+    (:func:`uses_lengths`) and ignored by the others. The objective is always computed in float64,
+    whatever the input's dtype; the result lives on the input's device.
     """
     matrix, single_group = _as_reward_matrix(rewards)
     num_groups, n = matrix.shape
@@ -158,7 +261,10 @@ def select(
 
     fn = rule if callable(rule) else get_rule(rule)
     name = getattr(fn, "__name__", repr(fn)) if callable(rule) else rule
-    indices = fn(matrix, m, generator)
+    if uses_lengths(fn):
+        indices = fn(matrix, m, generator, lengths=_as_lengths(lengths, matrix, single_group, name))
+    else:
+        indices = fn(matrix, m, generator)
     if fn not in _BUILTIN_RULES.values():
         indices = _validate_indices(indices, num_groups, n, m, name)
     indices = indices.to(device=matrix.device, dtype=torch.long).sort(dim=1).values
@@ -202,6 +308,27 @@ def _as_reward_matrix(rewards: object) -> tuple[torch.Tensor, bool]:
             "Check the reward functions (a failed score should be 0.0, not NaN or inf)."
         )
     return matrix, single_group
+
+
+def _as_lengths(lengths: object, rewards: torch.Tensor, single_group: bool, name: str) -> torch.Tensor:
+    """Validate completion lengths for a length-aware rule: float64 ``[G, n]``, finite and non-negative."""
+    if lengths is None:
+        raise ValueError(
+            f"rule {name!r} ranks completions by length: pass lengths (completion tokens, shaped like rewards)."
+        )
+    try:
+        values = torch.as_tensor(lengths, dtype=torch.float64, device=rewards.device)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"lengths must be a tensor or (lists of) numbers: {error}") from None
+    if single_group and values.ndim == 1:
+        values = values.unsqueeze(0)
+    if values.shape != rewards.shape:
+        raise ValueError(
+            f"lengths has shape {tuple(values.shape)}, but rewards has {tuple(rewards.shape)}: one length per rollout."
+        )
+    if not bool((torch.isfinite(values) & (values >= 0)).all()):
+        raise ValueError("lengths must be finite, non-negative token counts.")
+    return values
 
 
 def _validate_indices(indices: object, num_groups: int, n: int, m: int, name: str) -> torch.Tensor:

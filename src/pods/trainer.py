@@ -1,12 +1,16 @@
 """The PODS trainer. One step, per prompt (a group), reads top to bottom in :meth:`PODSTrainer.train`:
 
+0. choose the step's prompts, skipping those predicted to give all-equal rewards (``prompt_skip``, GRESO);
 1. generate n completions with the current policy;
 2. score them with the reward functions (summed into one reward each);
+   with a ``prompt_filter`` (DAPO), drop groups whose rewards are all equal and repeat 0-2 for more prompts,
+   at most ``max_num_gen_batches`` rounds, until the step has P groups that pass;
 3. select m of the n with a down-sampling rule (per group, never across groups);
 4. compute group-relative advantages over the m kept;
 5. compute the GRPO loss on the m kept only and take an optimizer step.
 
-GRPO is the special case m = n. ``accelerate`` supplies devices, DDP / DeepSpeed / FSDP, mixed precision,
+GRPO is the special case m = n. The prompt-level stages are pure functions in :mod:`pods.prompt_skip` and
+:mod:`pods.prompt_filter`, the rules in :mod:`pods.selection` (docs/selection.md). ``accelerate`` supplies devices, DDP / DeepSpeed / FSDP, mixed precision,
 trackers and state saving: each process generates and selects for its own prompts, so a group never
 spans processes, and gradients are synchronised as usual.
 """
@@ -23,23 +27,45 @@ import torch
 
 from pods.advantages import downsample, nanstd
 from pods.auto_generations import AutoGenerations
-from pods.checkpoint import STATE_FILE, TrainerState, checkpoint_to_resume, resume_checkpoint, save_checkpoint
+from pods.checkpoint import (
+    STATE_FILE,
+    TrainerState,
+    adapter_only_checkpoints,
+    base_model_identity,
+    checkpoint_to_resume,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from pods.config import TrainConfig
 from pods.data.stream import PromptStream
 from pods.distributed import (
     deepspeed_batch_settings,
+    deepspeed_guards_non_finite_steps,
+    exported_state_dict,
     gather,
     require_every_launched_process,
+    synced_any,
     synced_max,
     synced_mean,
+    synced_sum,
 )
 from pods.errors import ConfigError, NonFiniteError
-from pods.evaluation import EvalResult, evaluate
+from pods.evaluation import EvalResult, evaluate, next_evaluation_seconds
 from pods.interrupts import StopRequests, TrainingStopped
 from pods.metrics import JsonlLog, StepTimer, peak_memory_mb, read_jsonl, reward_metrics
-from pods.models import Policy, load_policy, load_reference
+from pods.models import Policy, load_policy, load_reference, local_model_folder
 from pods.optimization import build_optimizer, build_scheduler
 from pods.progress import TrainingProgress
+from pods.prompt_filter import SampledGroups, fill_groups
+from pods.prompt_skip import (
+    GresoSettings,
+    PromptHistory,
+    SkippedPrompts,
+    adapt_exploration,
+    group_outcomes,
+    record_outcomes,
+    skip_prompts,
+)
 from pods.registries import check_names
 from pods.rollout import Rollouts, SamplingParams, build_engine, choose_engine
 from pods.run_folder import require_shared_folder
@@ -148,17 +174,22 @@ class PODSTrainer:
         self.accuracy_fn = get_task(cfg.eval_task or cfg.task).accuracy_function()
 
         trainable = [p for p in self.policy.model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(cfg, trainable)
+        optimizer = build_optimizer(cfg, trainable, deepspeed=acc.state.deepspeed_plugin is not None)
         self.scheduler = build_scheduler(cfg, optimizer)
         deepspeed_batch_settings(acc, cfg.micro_batch_size, micro_batches, cfg.max_grad_norm)
         self.model, self.optimizer = acc.prepare(self.policy.model, optimizer)
+        deepspeed_guards_non_finite_steps(self.model)
+        self.base_model = None  # a LoRA run's frozen base: its checkpoints hold the adapter only
+        if self.policy.is_lora and acc.state.deepspeed_plugin is None:
+            self.base_model = base_model_identity(cfg.model, local_model_folder(cfg.model))
+            adapter_only_checkpoints(acc, self.base_model)
         self.reference = None
         if cfg.beta > 0 and not self.policy.is_lora:
             self.reference = load_reference(cfg).to(acc.device)
 
         try:  # config.yaml records the engine that runs, whatever was asked
             cfg.rollout_engine, self.engine_reason = choose_engine(
-                cfg.rollout_engine, model=self.policy.model, load_in_4bit=cfg.load_in_4bit
+                cfg.rollout_engine, model=self.policy.model
             )
         except ValueError as error:
             raise ConfigError(str(error)) from None
@@ -179,8 +210,8 @@ class PODSTrainer:
                 "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization,
                 "max_model_length": cfg.vllm_max_model_length
                 or (cfg.max_prompt_length and cfg.max_prompt_length + cfg.max_completion_length),
-                "tensor_parallel_size": cfg.vllm_tensor_parallel_size,
                 "enable_sleep_mode": cfg.vllm_enable_sleep_mode,
+                "max_num_batched_tokens": cfg.vllm_max_num_batched_tokens,
                 "kv_cache_gb": cfg.vllm_cpu_kv_cache_gb,
                 "seed": cfg.seed + acc.process_index,
             },
@@ -195,6 +226,7 @@ class PODSTrainer:
         self.prompts = PromptStream(
             self.train_rows, cfg.prompts_per_step, cfg.seed, acc.process_index, acc.num_processes
         )
+        self.greso = GresoSettings(cfg.prompt_skip_target) if cfg.prompt_skip == "greso" else None
         if cfg.report_to:
             acc.init_trackers("pods", config={k: str(v) for k, v in cfg.to_dict().items()})
 
@@ -215,37 +247,53 @@ class PODSTrainer:
             while not self._finished(state) and not stop.agreed():
                 timer = StepTimer()
                 self._seed_step(state.step)
-                batch = self.prompts.batch(state.step)
                 n = self.auto.current if self.auto else cfg.num_generations
-
-                with timer("generate"):  # 1. n completions per prompt
-                    rollouts = self.engine.generate(self._render(batch), n, self.sampling)
-                with timer("score"):  # 2. one scalar reward per completion: [P, n]
-                    rewards, per_function = self._score(batch, rollouts)
-                with timer("select"):  # 3. m of n per group, and 4. advantages over the kept
-                    chosen = downsample(
-                        rewards,
+                candidates = self.prompts.candidates(state.step)  # the step's prompts, then refill draws
+                sampled = SampledGroups(cfg.prompt_filter, pad_id=self.tokenizer.pad_token_id or 0)
+                while self._generate_more(sampled):  # one round, or refill rounds for the prompt filter
+                    with timer("select"):  # 0. P prompts, skipping those predicted to give no signal
+                        prompts = self._choose_prompts(state, candidates, round_index=len(sampled.rounds))
+                    batch = [self.train_rows[index] for index in prompts.ids]
+                    with timer("generate"):  # 1. n completions per prompt
+                        rollouts = self.engine.generate(self._render(batch), n, self.sampling)
+                    with timer("score"):  # 2. one scalar reward per completion: [P, n]
+                        rewards, per_function = self._score(batch, rollouts)
+                    sampled.add(prompts.ids, rollouts, rewards, per_function, skipped=prompts.skipped)
+                with timer("select"):  # the step's P groups, those that passed the filter first
+                    groups = sampled.take(fill_groups(sampled.passed, cfg.prompts_per_step))
+                    chosen = downsample(  # 3. m of n per group, and 4. advantages over the kept
+                        groups.rewards,
                         m,
                         cfg.selection_rule,
                         scale=cfg.scale_rewards,
                         eps=cfg.advantage_eps,
                         generator=self._selection_generator(state.step),
                         gather=lambda values: gather(acc, values),
+                        lengths=groups.lengths,
                     )
-                    kept_rollouts = rollouts.select(chosen.rows)
+                    kept_rollouts = groups.rollouts.select(chosen.rows)
                 with timer("update"):  # 5. the GRPO update on the kept rows only
                     update = self._update(state, kept_rollouts, chosen.advantages.flatten())
                 with timer("sync"):  # the engine samples the next step from the new weights (no-op for hf)
                     self.engine.sync_weights(acc.unwrap_model(self.model))
 
+                skip_metrics = self._remember_prompts(state, sampled)  # GRESO's history, from every process
                 state.step += 1
                 state.train_seconds += synced_max(acc, timer.total)  # the slowest process sets the clock
+                everything = sampled.all  # metrics describe every group generated, over the refill rounds
                 metrics = self._step_metrics(
-                    state, timer, rollouts, rewards, chosen.rewards, per_function, update
+                    state,
+                    timer,
+                    everything.rollouts,
+                    everything.rewards,
+                    chosen.rewards,
+                    everything.per_function,
+                    update,
                 )
+                metrics.update(self._filter_metrics(sampled, n), **skip_metrics)
                 self.metrics_log.append(metrics)
                 if self.auto:
-                    self._auto_step(state, rewards, per_function, timer)
+                    self._auto_step(state, everything.rewards, everything.per_function, timer)
                 if cfg.report_to:
                     acc.log(metrics, step=state.step)
                 progress.update(state.step, state.train_seconds, metrics)
@@ -259,7 +307,7 @@ class PODSTrainer:
             if (
                 not stopped
                 and state.last_eval_seconds != state.train_seconds
-                and (cfg.eval_at_start or cfg.eval_every_seconds)
+                and (cfg.eval_at_start or cfg.eval_every_seconds or cfg.eval_at_seconds)
             ):
                 self._evaluate(state, progress)
             checkpoint = self._save(state) if cfg.save_final or stopped else None
@@ -278,6 +326,64 @@ class PODSTrainer:
                 self.accelerator.end_training()
 
     # ------------------------------------------------------------------ step pieces
+    def _choose_prompts(self, state: TrainerState, candidates, round_index: int) -> SkippedPrompts:
+        """0. This round's P prompts: the next candidates, or with ``prompt_skip: greso`` those its history keeps
+        (draws seeded by seed, step, process and round, so that a resumed run skips the same)."""
+        if self.greso is None:
+            return SkippedPrompts(ids=next(candidates), skipped=0)
+        history = PromptHistory.from_state(state.prompt_history, self.greso)
+        generator = self._skip_generator(state.step, round_index)
+        return skip_prompts(candidates, history, self.greso, self.config.prompts_per_step, generator)
+
+    def _generate_more(self, sampled: SampledGroups) -> bool:
+        """Whether the step runs another round of stages 0-2: the first always; with a ``prompt_filter``, while
+        any process has fewer than P groups that pass and fewer than ``max_num_gen_batches`` rounds ran (every
+        process runs the same rounds: engines and reward gathering may need all of them)."""
+        cfg = self.config
+        if not sampled.rounds:
+            return True
+        if cfg.prompt_filter == "none" or len(sampled.rounds) >= cfg.max_num_gen_batches:
+            return False
+        return synced_any(self.accelerator, sampled.num_passed < cfg.prompts_per_step)
+
+    def _remember_prompts(self, state: TrainerState, sampled: SampledGroups) -> dict[str, float]:
+        """``prompt_skip: greso``: add every process's groups of this step to the per-prompt history, adapt the
+        exploration rates (past the first epoch, as GRESO), and return the skip metrics."""
+        if self.greso is None:
+            return {}
+        acc = self.accelerator
+        outcomes = gather(acc, group_outcomes(sampled.rewards, self.greso.solved_reward)).tolist()
+        ids = gather(acc, torch.tensor(sampled.ids, dtype=torch.long)).tolist()
+        history = record_outcomes(PromptHistory.from_state(state.prompt_history, self.greso), ids, outcomes)
+        if self.prompts.epoch(state.step) >= 1:
+            history = adapt_exploration(history, outcomes, self.greso)
+        state.prompt_history = history.to_state()
+        skipped = int(synced_sum(acc, torch.tensor(sampled.skipped)))
+        return {
+            "pods/skip/prompts_skipped": skipped,
+            "pods/skip/rollouts_saved": skipped * sampled.rounds[0].rewards.shape[1],
+            "pods/skip/exploration_solved": state.prompt_history["exploration_solved"],
+            "pods/skip/exploration_failed": state.prompt_history["exploration_failed"],
+        }
+
+    def _filter_metrics(self, sampled: SampledGroups, n: int) -> dict[str, float]:
+        """``prompt_filter``: rounds run, groups dropped, rollouts generated in refill rounds, and groups trained on
+        without a signal because the bound was hit, summed over processes."""
+        if self.config.prompt_filter == "none":
+            return {}
+        wanted, passed = self.config.prompts_per_step, sampled.num_passed
+        unfilled = max(wanted - passed, 0)  # slots filled with groups that failed the filter
+        failed = len(sampled.ids) - passed
+        extra = (len(sampled.rounds) - 1) * wanted * n
+        counts = torch.tensor([failed - unfilled, extra, unfilled])
+        dropped, extra, unfilled = synced_sum(self.accelerator, counts).tolist()
+        return {
+            "pods/filter/num_gen_batches": len(sampled.rounds),
+            "pods/filter/groups_dropped": int(dropped),
+            "pods/filter/extra_rollouts": int(extra),
+            "pods/filter/groups_unfilled": int(unfilled),
+        }
+
     def _render(self, batch: list[dict[str, Any]]) -> list[str]:
         from pods.prompts import render_prompt
 
@@ -383,9 +489,8 @@ class PODSTrainer:
         scores = torch.nan_to_num(per_function.get(reward_name(self.accuracy_fn), rewards))
         acc = self.accelerator
         successes = gather(acc, (scores > 0.5).sum(dim=1)).cpu().tolist()
-        generate = synced_max(acc, sum(timer.seconds.get(k, 0.0) for k in ("generate", "score", "select")))
-        other = synced_max(acc, timer.seconds.get("update", 0.0))
-        self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, generate, other))
+        seconds = {phase: synced_max(acc, value) for phase, value in sorted(timer.seconds.items())}
+        self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, seconds))
         decision = self.auto.decide(state.step)
         if decision is not None:
             self.auto_log.append({"kind": "decision", **decision.to_dict()})
@@ -425,17 +530,18 @@ class PODSTrainer:
         return result
 
     def _eval_due(self, state: TrainerState) -> bool:
-        every = self.config.eval_every_seconds
-        if every is None:
-            return False
-        return state.train_seconds - (state.last_eval_seconds or 0.0) >= every and not self._finished(state)
+        """At the first step that reaches a scheduled training time (``eval_at_seconds``, multiples of
+        ``eval_every_seconds``) not yet evaluated; the last step's evaluation follows the loop."""
+        cfg = self.config
+        due = next_evaluation_seconds(state.last_eval_seconds, cfg.eval_every_seconds, cfg.eval_at_seconds)
+        return due is not None and state.train_seconds >= due and not self._finished(state)
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, state: TrainerState) -> Path:
         if self._saved is not None and self._saved[0] == state.step:
             return self._saved[1]  # already saved (or resumed from) at this step
         state.last_save_seconds = state.train_seconds
-        weights = self._gathered_weights()  # every process takes part
+        weights = exported_state_dict(self.accelerator, self.model)  # every process: gathers if sharded
         folder = save_checkpoint(
             self.accelerator,
             self.checkpoint_root,
@@ -443,25 +549,14 @@ class PODSTrainer:
             self.config.save_total_limit,
             export=lambda folder: self._export(folder, weights),
             scheduler=self.scheduler,
+            base_model=self.base_model,
         )
         self._saved = (state.step, folder)
         return folder
 
-    def _gathered_weights(self) -> dict[str, torch.Tensor] | None:
-        """FSDP2: the full weights for the export, gathered by every process (a collective; on the main
-        process), without a tied weight's second name (save_pretrained cannot tell gathered copies are tied).
-        None elsewhere: save_pretrained reads the model itself."""
-        if not self.accelerator.is_fsdp2:
-            return None
-        weights = self.accelerator.get_state_dict(self.model)
-        model = self.accelerator.unwrap_model(self.model)
-        aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-        aliases -= {name for name, _ in model.named_parameters()}
-        return {name: value for name, value in weights.items() if name not in aliases}
-
     def _export(self, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
         """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``; ``weights``
-        are the gathered ones of a sharded model."""
+        are the gathered ones under ZeRO-3 or FSDP2 (peft keeps the adapter's out of a full state dict itself)."""
         self.accelerator.unwrap_model(self.model).save_pretrained(folder, state_dict=weights)
         self.tokenizer.save_pretrained(folder)
 
@@ -478,11 +573,10 @@ class PODSTrainer:
     def _resume_or_start(self) -> TrainerState:
         """The state to start from: a fresh one (logs emptied) or a checkpoint's (logs cut back to its step)."""
         folder = checkpoint_to_resume(self.accelerator, self.config.resume_from, self.checkpoint_root)
-        if folder is None:
+        if folder is None:  # a fresh start (also resume_from: auto without a checkpoint): no earlier rows
             self.metrics_log.reset()
             self.eval_log.reset()
-            if self.config.resume_from is None:
-                self.auto_log.reset()
+            self.auto_log.reset()
             return TrainerState()
         state = resume_checkpoint(self.accelerator, folder, self.scheduler)
         self._saved = (state.step, folder)
@@ -505,6 +599,13 @@ class PODSTrainer:
     def _seed_step(self, step: int) -> None:
         """Reseed per step (and process): sampling after a resume matches an uninterrupted run exactly."""
         torch.manual_seed((self.config.seed * 1_000_003 + step) * 64 + self.accelerator.process_index)
+
+    def _skip_generator(self, step: int, round_index: int) -> torch.Generator:
+        """GRESO's draws for one round of one step on this process (no state to checkpoint)."""
+        process = self.accelerator.process_index
+        return torch.Generator().manual_seed(
+            ((self.config.seed * 1_000_003 + step) * 64 + process) * 1_009 + round_index
+        )
 
     def _selection_generator(self, step: int) -> torch.Generator:
         return torch.Generator().manual_seed(
@@ -540,7 +641,7 @@ class PODSTrainer:
 
     def _load_eval_dataset(self) -> Any:
         cfg = self.config
-        if not cfg.eval_at_start and cfg.eval_every_seconds is None:
+        if not cfg.eval_at_start and cfg.eval_every_seconds is None and not cfg.eval_at_seconds:
             return None
         from pods.data import load_task
 

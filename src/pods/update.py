@@ -3,8 +3,9 @@ and the kept batch (testable without a trainer).
 
 The rows are split into micro-batches of ``micro_batch_size``, accumulated into one optimizer step per pass,
 ``num_iterations`` passes. Old and reference log-probs come from evaluation-mode forwards (no dropout); the
-sampler's log-probs, when the engine reports them (vLLM), give truncated importance weights that correct the
-sampler/trainer mismatch. A NaN/inf loss or gradient norm skips the optimizer step (:class:`NonFiniteGuard`).
+sampler's log-probs, when the engine reports them (vLLM), are compared with the old ones: truncated importance
+weights correct the sampler/trainer mismatch, and the mismatch is logged. A NaN/inf loss or gradient norm
+skips the optimizer step (:class:`NonFiniteGuard`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from pods.checkpoint import TrainerState
 from pods.config import TrainConfig
-from pods.distributed import synced_any, synced_sum
+from pods.distributed import step_was_applied, synced_any, synced_sum
 from pods.errors import NonFiniteError
 from pods.loss import completion_logprobs, mean_abs_difference, policy_loss, truncated_importance_weights
 from pods.rollout import Rollouts
@@ -96,7 +97,7 @@ def policy_update(
     # dapo divides by the tokens of the whole batch across processes; DDP averages gradients.
     total_tokens = synced_sum(acc, mask.sum().double()) / acc.num_processes
 
-    def logprobs_of(net: torch.nn.Module, part: slice) -> torch.Tensor:
+    def logprobs_of(net: torch.nn.Module, part: slice, **truncation: Any) -> torch.Tensor:
         return completion_logprobs(
             net,
             prompt_ids[part],
@@ -104,18 +105,29 @@ def policy_update(
             completion_ids[part],
             mask[part],
             temperature=temperature,
+            **truncation,
         )
 
     parts = [slice(start, start + micro) for start in range(0, rows, micro)]
     sampling_logprobs = batch.sampling_logprobs
     correct = cfg.vllm_importance_sampling_correction and sampling_logprobs is not None
     # Old and reference log-probs: always in evaluation mode (no dropout), at every step. The first pass
-    # is on-policy (ratio exactly 1, as with num_iterations = 1); later passes use the old log-probs.
-    old_logprobs = ref_logprobs = None
+    # is on-policy (ratio exactly 1, as with num_iterations = 1); later passes use the old log-probs. With a
+    # sampler's log-probs the old ones are the "before" side of the importance weights: from the train-mode
+    # forward, dropout noise would enter the weights.
+    old_logprobs = ref_logprobs = sampled_view = None
     model.eval()
-    if cfg.num_iterations > 1:
+    if cfg.num_iterations > 1 or sampling_logprobs is not None:
         with torch.no_grad():
             old_logprobs = torch.cat([logprobs_of(model, part) for part in parts])
+    if sampling_logprobs is not None and cfg.temperature > 0 and (cfg.top_k > 0 or cfg.top_p < 1):
+        # The sampler reports log-probs of the top-k / top-p truncated, renormalised distribution: the
+        # mismatch diagnostic compares them with the trainer's under the same truncation, so that it shows
+        # engine drift (stale weights) rather than the truncated mass. The weights stay TRL's (<= ~1).
+        with torch.no_grad():
+            sampled_view = torch.cat(
+                [logprobs_of(model, part, top_k=cfg.top_k, top_p=cfg.top_p) for part in parts]
+            )
     if cfg.beta > 0:
         # Under the policy's mixed precision: accelerate autocasts the prepared policy, not this copy.
         with torch.no_grad(), acc.autocast(), reference_policy(acc, model, reference) as frozen:
@@ -137,11 +149,16 @@ def policy_update(
                 logprobs = logprobs_of(model, part)
                 if sampling_logprobs is not None and part.start not in sampler_weights:
                     # first pass: the trainer's log-probs before this update against the sampler's
-                    before = logprobs if old_logprobs is None else old_logprobs[part]
                     sampler_weights[part.start] = truncated_importance_weights(
-                        before, sampling_logprobs[part], mask[part], cfg.vllm_importance_sampling_cap
+                        old_logprobs[part],
+                        sampling_logprobs[part],
+                        mask[part],
+                        cfg.vllm_importance_sampling_cap,
                     )
-                    mismatch.append(mean_abs_difference(before, sampling_logprobs[part], mask[part]))
+                    comparable = old_logprobs if sampled_view is None else sampled_view
+                    mismatch.append(
+                        mean_abs_difference(comparable[part], sampling_logprobs[part], mask[part])
+                    )
                 out = policy_loss(
                     logprobs,
                     advantages[part],
@@ -157,14 +174,18 @@ def policy_update(
                     total_tokens=float(total_tokens),
                     max_completion_length=cfg.max_completion_length,
                 )
-                acc.backward(out.loss * acc.gradient_accumulation_steps)
+                # The loss is checked before backward: under DeepSpeed the optimizer steps inside it.
                 finite = finite and math.isfinite(out.loss.item())
+                acc.backward(out.loss * acc.gradient_accumulation_steps)
                 if acc.sync_gradients:
                     grad_norm = float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                     grad_norms.append(grad_norm)
+                    # DeepSpeed has already stepped, or skipped a step with NaN/inf gradients itself (see
+                    # pods.distributed.deepspeed_guards_non_finite_steps); its optimizer.step() is a no-op.
+                    applied = step_was_applied(model)
                     # fp16: the GradScaler skips overflowing steps itself and lowers its scale.
                     usable = acc.scaler is not None or guard.allows_step(
-                        acc, finite and math.isfinite(grad_norm)
+                        acc, finite and applied and math.isfinite(grad_norm)
                     )
                     if usable:
                         optimizer.step()

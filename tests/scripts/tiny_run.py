@@ -5,6 +5,8 @@
 
 Prints one line per process: ``RESULT <rank> <steps> <parameter checksum> <first prompt of step 0>``, or
 ``STOPPED <rank> <signal> <step> <checkpoint>`` after a graceful stop (exit status 128 + the signal's number).
+``TINY_RUN_REWARD=half_constant`` trains on :func:`half_constant` instead of :func:`count_of_a`, and
+``TINY_RUN_DATASET_SIZE=K`` on K prompts instead of 64.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ TINY_SETTINGS = {
     "max_steps": 2,
     "eval_at_start": False,
     "eval_every_seconds": None,
+    "eval_at_seconds": [],
     "save_every_seconds": None,
     "progress": False,
     "rollout_engine": "hf",  # tests/test_vllm.py covers the vLLM engine
@@ -41,6 +44,18 @@ TINY_SETTINGS = {
 def count_of_a(prompts, completions, completion_ids=None, **columns) -> list[float]:
     """A reward the tiny model can learn: the fraction of characters that are 'a'."""
     return [text.count("a") / max(len(text), 1) for text in completions]
+
+
+def half_constant(prompts, completions, completion_ids=None, **columns) -> list[float]:
+    """Even-numbered questions always score 1 (every group zero-variance, "solved"); odd ones score like
+    :func:`count_of_a` (usually a spread; all 0, "failed", when no completion has an 'a')."""
+    return [
+        1.0 if int(answer) % 2 == 0 else text.count("a") / max(len(text), 1)
+        for answer, text in zip(columns["answer"], completions, strict=True)
+    ]
+
+
+REWARDS = {"count_of_a": count_of_a, "half_constant": half_constant}
 
 
 def low_token_ids(prompts, completions, completion_ids=None, **columns) -> list[float]:
@@ -53,20 +68,43 @@ class RecordingTrainer(PODSTrainer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.scored: list[dict] = []  # per step: the texts and summed rewards of all n rollouts
+        self.scored: list[dict] = []  # per scoring: the prompts, texts and summed rewards of all n rollouts
         self.updates: list[dict] = []  # per step: the texts and advantages of the rows the update used
+        if "TINY_RUN_NAN_FORWARDS" in os.environ:  # e.g. "3": the 3rd training forward gives NaN logits
+            poisoned = {int(call) for call in os.environ["TINY_RUN_NAN_FORWARDS"].split(",")}
+            self.accelerator.unwrap_model(self.model).lm_head.register_forward_hook(nan_on(poisoned))
 
     def _score(self, batch, rollouts):
         if "TINY_RUN_REWARD_SLEEP" in os.environ:  # a scoring phase long enough to signal mid-step
             print("REWARD CALL", flush=True)
             time.sleep(float(os.environ["TINY_RUN_REWARD_SLEEP"]))
         rewards, per_function = super()._score(batch, rollouts)
-        self.scored.append({"texts": list(rollouts.texts), "rewards": rewards.tolist()})
+        self.scored.append(  # step: the update this scoring feeds (a refill round scores again before it)
+            {
+                "step": len(self.updates),
+                "questions": [row["question"] for row in batch],
+                "texts": list(rollouts.texts),
+                "rewards": rewards.tolist(),
+            }
+        )
         return rewards, per_function
 
     def _update(self, state, batch, advantages):
         self.updates.append({"texts": list(batch.texts), "advantages": advantages.tolist()})
         return super()._update(state, batch, advantages)
+
+
+def nan_on(calls: set[int]):
+    """A forward hook that makes the output NaN on the given training forwards (1-based, with gradients)."""
+    counter = [0]
+
+    def hook(module, inputs, output):
+        if not torch.is_grad_enabled():
+            return None  # generation, evaluation and the no-grad log-prob forwards stay intact
+        counter[0] += 1
+        return output * float("nan") if counter[0] in calls else None
+
+    return hook
 
 
 def tiny_dataset(size: int = 64) -> Dataset:
@@ -81,8 +119,8 @@ def main() -> None:
     settings = {"model": model_dir, "output_dir": output_dir, **TINY_SETTINGS, **overrides}
     trainer = RecordingTrainer(
         TrainConfig.from_dict(settings),
-        reward_funcs=[count_of_a],
-        train_dataset=tiny_dataset(),
+        reward_funcs=[REWARDS[os.environ.get("TINY_RUN_REWARD", "count_of_a")]],
+        train_dataset=tiny_dataset(int(os.environ.get("TINY_RUN_DATASET_SIZE", "64"))),
     )
     first_prompt = trainer.prompts.batch(0)[0]["question"]
     print(f"distributed: {trainer.accelerator.distributed_type.value}", flush=True)

@@ -1,8 +1,10 @@
 """Two-process PODS-in-TRL check, run by tests/test_trl.py as:
-``accelerate launch --cpu --num_processes 2 tests/scripts/trl_two_process.py MODEL_DIR OUTPUT_DIR``.
+``accelerate launch --cpu --num_processes 2 tests/scripts/trl_two_process.py MODEL_DIR OUTPUT_DIR [stages]``.
 
 Trains 2 steps and asserts, on every process and step, that each group of n inputs is one prompt (groups
-are process-local), that the processes hold different prompts, and that m of each n rows come back.
+are process-local), that the processes hold different prompts, and that m of each n rows come back. With
+``stages``, the prompt filter and GRESO are on and half the prompts give all-equal rewards: both processes
+run the same number of generation rounds and each trains on its own groups that passed.
 Prints ``PODS-TWO-PROCESS-OK rank=R checks=K`` on success.
 """
 
@@ -14,23 +16,33 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 
-from pods.advantages import group_advantages
+from pods.advantages import group_advantages, zero_variance_groups
 from pods.integrations.trl import PODSConfig, PODSTrainer
+from pods.prompt_filter import fill_groups
 from pods.selection import select
 
 SEEN: list[list[int]] = []  # this process's completions, in the order the reward function saw them
+STAGES = len(sys.argv) > 3 and sys.argv[3] == "stages"
 
 
-def token_sum_reward(completion_ids: list[list[int]], **kwargs) -> list[float]:
-    """A reward with spread: the completion's token-id sum modulo 4."""
-    SEEN.extend(completion_ids)
-    return [float(sum(ids) % 4) for ids in completion_ids]
+def score(ids: list[int], number: int) -> float:
+    """The completion's token-id sum modulo 4; with STAGES, 1 for even-numbered prompts (all-equal groups)."""
+    return 1.0 if STAGES and number % 2 == 0 else float(sum(ids) % 4)
+
+
+def token_sum_reward(completion_ids: list[list[int]], number: list[int], **kwargs) -> list[float]:
+    SEEN.extend(zip(completion_ids, number, strict=True))
+    return [score(ids, k) for ids, k in zip(completion_ids, number, strict=True)]
 
 
 class CheckedPODSTrainer(PODSTrainer):
     """PODSTrainer that checks the group layout it receives and returns."""
 
     checks = 0
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rounds: list[int] = []  # generation rounds of each generation batch
 
     def _generate_and_score_completions(self, inputs):
         n, m = self.num_generations, self.num_generations_kept
@@ -45,27 +57,32 @@ class CheckedPODSTrainer(PODSTrainer):
         SEEN.clear()
         batch = super()._generate_and_score_completions(inputs)
         assert batch["completion_ids"].shape[0] == len(groups) * m, "selection did not keep m rows per group"
-        # The kept rows are this process's own completions, the max-variance m of each local group.
-        rewards = torch.tensor([float(sum(ids) % 4) for ids in SEEN]).view(len(groups), n)
-        kept = select(rewards, m, "max_variance")
-        expected = [
-            SEEN[row] for row in (kept + n * torch.arange(len(groups)).unsqueeze(1)).flatten().tolist()
-        ]
+        # The kept rows are this process's own completions: the groups that passed (STAGES) or all of them,
+        # then the max-variance m of each.
+        rewards = torch.tensor([score(ids, k) for ids, k in SEEN]).view(-1, n)
+        rounds = gather_object([rewards.shape[0] // len(groups)])
+        assert rounds[0] == rounds[1], f"the processes ran different numbers of generation rounds: {rounds}"
+        trained = (
+            fill_groups(~zero_variance_groups(rewards), len(groups)) if STAGES else torch.arange(len(groups))
+        )
+        kept = select(rewards[trained], m, "max_variance")
+        expected = [SEEN[row][0] for row in (kept + n * trained.unsqueeze(1)).flatten().tolist()]
         rows = zip(batch["completion_ids"], batch["completion_mask"], strict=True)
         assert [ids[mask.bool()].tolist() for ids, mask in rows] == expected, (
             "kept rows are not the local selection"
         )
-        assert torch.equal(batch["advantages"], group_advantages(rewards.gather(1, kept)).view(-1))
+        assert torch.equal(batch["advantages"], group_advantages(rewards[trained].gather(1, kept)).view(-1))
         assert batch["num_items_in_batch"].item() == sum(
             gather_object([batch["completion_mask"].sum().item()])
         )
+        self.rounds.append(rounds[0])
         self.checks += 1
         return batch
 
 
 def main(model_dir: str, output_dir: str) -> None:
     dataset = Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": f"Question {i}: 3 + {i}"}]} for i in range(32)]
+        [{"prompt": [{"role": "user", "content": f"Question {i}: 3 + {i}"}], "number": i} for i in range(32)]
     )
     args = PODSConfig(
         output_dir=output_dir,
@@ -79,6 +96,11 @@ def main(model_dir: str, output_dir: str) -> None:
         max_steps=2,
         logging_steps=1,
         seed=0,
+        **(
+            {"prompt_filter": "nonzero_std", "prompt_skip": "greso", "max_num_gen_batches": 3}
+            if STAGES
+            else {}
+        ),
     )
     trainer = CheckedPODSTrainer(
         model=model_dir, reward_funcs=token_sum_reward, args=args, train_dataset=dataset
@@ -87,6 +109,7 @@ def main(model_dir: str, output_dir: str) -> None:
     trainer.train()
     assert trainer.state.global_step == 2 and trainer.checks == 2, (trainer.state.global_step, trainer.checks)
     assert any("pods/reward_kept" in log for log in trainer.state.log_history)
+    assert not STAGES or max(trainer.rounds) > 1, f"no refill round ran: {trainer.rounds}"
     print(f"PODS-TWO-PROCESS-OK rank={trainer.accelerator.process_index} checks={trainer.checks}", flush=True)
 
 

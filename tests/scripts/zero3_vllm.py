@@ -1,10 +1,11 @@
-"""A DeepSpeed ZeRO-3 model's weights pushed into the vLLM engine, one gathered parameter at a time, in one
+"""A DeepSpeed ZeRO-3 model's weights pushed into the vLLM engine, one gathered layer at a time, in one
 CPU process; used by tests/test_vllm.py as a subprocess (DeepSpeed and vLLM keep process-wide state).
 
-    python tests/scripts/zero3_vllm.py MODEL_DIR
+    python tests/scripts/zero3_vllm.py MODEL_DIR [--lora]
 
+With ``--lora`` the model is a peft LoRA model (base frozen, adapters trained), partitioned like the rest.
 Prints ``PARTITIONED <n>`` (parameters whose local tensor is an empty shard), ``CHANGED <bool>`` (the AdamW
-step moved the weights away from the checkpoint's) and ``SAME <bool>`` (the engine's greedy completions
+step moved the trained weights away from their start) and ``SAME <bool>`` (the engine's greedy completions
 equal HF ``generate``'s on the full, unpartitioned model after that step).
 """
 
@@ -18,7 +19,7 @@ import torch
 
 
 def main() -> None:
-    model_dir = sys.argv[1]
+    model_dir, lora = sys.argv[1], "--lora" in sys.argv[2:]
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -40,8 +41,19 @@ def main() -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
     }
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+
+    def fresh_model():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+        return model
+
+    model = fresh_model()
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trained = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=trained)
     tokenizer = load_tokenizer(model_dir)
     batch = tokenizer(["Tom has 5 apples and 3 pears."], return_tensors="pt")
     loss = engine(**batch, labels=batch["input_ids"]).loss
@@ -55,15 +67,11 @@ def main() -> None:
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
     sampled = vllm_engine.generate(prompts, 1, greedy)
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        full.load_state_dict({k: v.detach().clone() for k, v in engine.module.state_dict().items()})
-    reference = HFGenerateEngine(full, tokenizer).generate(prompts, 1, greedy)
-    changed = any(
-        not torch.equal(a, b)
-        for a, b in zip(
-            full.parameters(), AutoModelForCausalLM.from_pretrained(model_dir).parameters(), strict=True
-        )
-    )
+        weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    full = fresh_model()  # the same architecture, unpartitioned, holding the trained weights
+    full.load_state_dict(weights)
+    reference = HFGenerateEngine(full.eval(), tokenizer).generate(prompts, 1, greedy)
+    changed = any(not torch.equal(weights[k], start[k]) for k in start)
     print(f"CHANGED {changed}", flush=True)
     print(
         f"SAME {sampled.texts == reference.texts and torch.equal(sampled.completion_ids, reference.completion_ids)}"

@@ -149,7 +149,11 @@ def find_model_folder(name: str) -> str:
 
 
 def load_model_for_eval(model_dir: str):
-    """Load safetensors weights only, never running a model's own code; a broken folder is a clear error."""
+    """Load safetensors weights only, never running a model's own code; a broken folder is a clear error.
+
+    A LoRA adapter's base is loaded in the dtype its run trained in (the run's ``config.yaml``; else the
+    base's own), a full model in bfloat16 on a GPU and float32 on a CPU.
+    """
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -157,13 +161,16 @@ def load_model_for_eval(model_dir: str):
         if (Path(model_dir) / "adapter_config.json").is_file():
             from peft import AutoPeftModelForCausalLM
 
-            return AutoPeftModelForCausalLM.from_pretrained(model_dir, use_safetensors=True).eval()
-        from transformers import AutoModelForCausalLM
+            model = AutoPeftModelForCausalLM.from_pretrained(
+                model_dir, dtype=training_dtype(model_dir), use_safetensors=True
+            )
+        else:
+            from transformers import AutoModelForCausalLM
 
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=False
-        )
+            dtype = torch.bfloat16 if device == "cuda" else torch.float32
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=False
+            )
     except Exception as error:  # safetensors, OSError, ValueError, ...: name the folder and the cause
         raise ConfigError(
             f"--model {model_dir}: cannot load the model ({type(error).__name__}: {first_line(error)}); "
@@ -171,3 +178,20 @@ def load_model_for_eval(model_dir: str):
             "a model's own code)"
         ) from None
     return model.to(device).eval()
+
+
+def training_dtype(model_dir: str):
+    """The dtype a checkpoint's exported model was trained in (its run's ``config.yaml``), else ``"auto"``
+    (the checkpoint's own)."""
+    import yaml
+
+    from pods.checkpoint import STATE_FILE
+    from pods.models import DTYPES
+
+    path = Path(model_dir)
+    run_config = path.parent.parent.parent / "config.yaml"  # <run>/checkpoints/step-N/model
+    if path.name == "model" and (path.parent / STATE_FILE).is_file() and run_config.is_file():
+        dtype = (yaml.safe_load(run_config.read_text()) or {}).get("dtype")
+        if dtype in DTYPES:
+            return DTYPES[dtype]
+    return "auto"

@@ -57,7 +57,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "in a learning_rate x num_generations grid: each n against n=4 at the same learning rate)",
     )
     sweep.add_argument(
-        "--target", type=float, help="accuracy to time (default: 99%% of the baseline's smoothed peak)"
+        "--target",
+        type=float,
+        help="accuracy to time (default: 99%% of the baseline's plateau, its mean over the last third of the run)",
     )
     _add_experiment_options(sweep, seeds="0,1,2")
     sweep.set_defaults(handler=run_sweep_command)

@@ -47,18 +47,25 @@ def run_demo(args: argparse.Namespace, overrides: list[str]) -> int:
             f"--m must be between 1 and --n, and --groups at least 1; got m={args.m}, n={args.n}, groups={args.groups}"
         )
     generator = torch.Generator().manual_seed(args.seed)
-    levels = torch.tensor([0.0, 0.1, 1.0, 1.2])
-    rewards = levels[torch.randint(len(levels), (args.groups, args.n), generator=generator)]
+    levels = [0.0, 0.1, 1.0, 1.2]  # printed as written (a float32 tensor's 0.1 prints as 0.10000000149011612)
+    rewards = torch.tensor(levels)[torch.randint(len(levels), (args.groups, args.n), generator=generator)]
+    lengths = torch.randint(5, 40, (args.groups, args.n), generator=generator)  # completion tokens
     print(
-        f"{args.groups} groups x n={args.n} rollouts, keeping m={args.m} per group (rewards from {levels.tolist()})"
+        f"{args.groups} groups x n={args.n} rollouts, keeping m={args.m} per group (rewards from {levels}, "
+        "lengths 5-39 tokens)"
     )
     for group in range(args.groups):
         print(f"\ngroup {group}: rewards {[round(r, 1) for r in rewards[group].tolist()]}")
+        print(f"         lengths {lengths[group].tolist()}")
         for rule in available_rules():
             if rule == "all" and args.m != args.n:
                 continue
-            kept = select(rewards[group : group + 1], args.m, rule, generator=generator)
-            var = subset_variance(rewards[group : group + 1], kept).item()
+            one = slice(group, group + 1)
+            kept = select(rewards[one], args.m, rule, generator=generator, lengths=lengths[one])
+            var = subset_variance(rewards[one], kept).item()
             values = [round(r, 1) for r in rewards[group, kept[0]].tolist()]
-            print(f"  {rule:<13} keeps {kept[0].tolist()} -> rewards {values}  variance {var:.3f}")
+            tokens = int(lengths[group, kept[0]].sum())
+            print(
+                f"  {rule:<21} keeps {kept[0].tolist()} -> rewards {values}  variance {var:.3f}  tokens {tokens}"
+            )
     return 0

@@ -4,8 +4,11 @@
 n completions per prompt (``num_generations``) and scores them as usual; then, per prompt, we select m of
 the n (``num_generations_kept``) with a rule of :mod:`pods.selection`, recompute the group-relative
 advantages over the kept rows with :mod:`pods.advantages`, keep only those rows of every per-row entry
-TRL returned, and recount the loss tokens. TRL's loss, optimizer step, logging and evaluation run
-unchanged (evaluation is not down-sampled). Tested against TRL 1.16 (``pip install 'pods[trl]'``).
+TRL returned, and recount the loss tokens. With ``prompt_skip`` (GRESO) prompts predicted to give all-equal
+rewards are swapped for others before TRL generates; with ``prompt_filter`` (DAPO's dynamic sampling) TRL's
+generation runs again for more prompts until each process has its groups with a spread (bounded by
+``max_num_gen_batches``). TRL's loss, optimizer step, logging and evaluation run unchanged (evaluation is
+not down-sampled). Tested against TRL 1.16 (``pip install 'pods[trl]'``).
 
     from pods.integrations.trl import PODSConfig, PODSTrainer
 
@@ -17,8 +20,13 @@ unchanged (evaluation is not down-sampled). Tested against TRL 1.16 (``pip insta
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import json
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,18 +40,35 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("pods.integrations.trl needs TRL; install it with: pip install 'pods[trl]'") from error
 
 from pods.advantages import downsample
+from pods.config import PROMPT_FILTERS, PROMPT_SKIPS
+from pods.data.stream import refill_order
 from pods.metrics import reward_metrics
-from pods.selection import available_rules
+from pods.prompt_filter import fill_groups, passing_groups
+from pods.prompt_skip import (
+    GresoSettings,
+    PromptHistory,
+    SkippedPrompts,
+    adapt_exploration,
+    group_outcomes,
+    record_outcomes,
+    skip_prompts,
+)
+from pods.selection import available_rules, uses_lengths
 
 __all__ = [
+    "PROMPT_SKIP_STATE_FILE",
     "TESTED_TRL_VERSION",
     "PODSConfig",
     "PODSTrainer",
     "advantage_scale",
     "check_batch_arithmetic",
+    "concat_batches",
+    "prompt_key",
     "summed_rewards",
     "take_rows",
 ]
+
+PROMPT_SKIP_STATE_FILE = "pods_prompt_skip.json"  # GRESO's history, in each TRL checkpoint folder
 
 TESTED_TRL_VERSION = "1.16"
 if not trl.__version__.startswith(TESTED_TRL_VERSION + "."):
@@ -135,6 +160,51 @@ def take_rows(batch: dict[str, Any], rows: torch.Tensor, num_rows: int) -> dict[
     return unsplit_pixel_values_by_grid(kept)
 
 
+def concat_batches(batches: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
+    """TRL batch dicts of several generation rounds as one: per-row tensors joined with prompt entries
+    (``prompt_*``) re-padded on the left and completion entries on the right (``pad_id`` for ids, 0 elsewhere,
+    always under a 0 mask), lists joined, scalar tensors summed. Anything else (images) raises."""
+    if len(batches) == 1:
+        return batches[0]
+    joined: dict[str, Any] = {}
+    for key, first in batches[0].items():
+        values = [batch[key] for batch in batches]
+        if first is None:
+            joined[key] = None
+        elif isinstance(first, torch.Tensor) and first.ndim == 0:
+            joined[key] = sum(values)
+        elif isinstance(first, torch.Tensor) and first.ndim == 1:
+            joined[key] = torch.cat(values)
+        elif isinstance(first, torch.Tensor) and first.ndim == 2:
+            width = max(value.shape[1] for value in values)
+            left = key.startswith("prompt")
+            fill = pad_id if key.endswith("_ids") else 0
+            joined[key] = torch.cat(
+                [
+                    torch.nn.functional.pad(
+                        value,
+                        (width - value.shape[1], 0) if left else (0, width - value.shape[1]),
+                        value=fill,
+                    )
+                    for value in values
+                ]
+            )
+        elif isinstance(first, list):
+            joined[key] = [item for value in values for item in value]
+        else:
+            raise ValueError(
+                f"cannot join TRL's batch entry {key!r} over generation rounds; prompt_filter and prompt_skip "
+                "support text prompts only."
+            )
+    return joined
+
+
+def prompt_key(row: dict[str, Any]) -> int:
+    """A stable 60-bit id of a dataset row's prompt (the same on every process and run): GRESO's history key."""
+    text = json.dumps(row["prompt"], sort_keys=True, default=str)
+    return int(hashlib.sha1(text.encode()).hexdigest()[:15], 16)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Config and trainer
 # ---------------------------------------------------------------------------------------------------------
@@ -156,8 +226,34 @@ class PODSConfig(GRPOConfig):
         default="max_variance",
         metadata={
             "help": "Rule choosing the m kept completions of each prompt: any name registered in "
-            "pods.selection (max_variance, max_reward, random, all, or your own)."
+            "pods.selection (max_variance, max_reward, random, all, shortest, reward_per_token, "
+            "max_variance_shortest, or your own)."
         },
+    )
+    prompt_filter: str = field(
+        default="none",
+        metadata={
+            "help": "none, or nonzero_std: drop prompts whose num_generations rewards are all equal and generate "
+            "for more prompts until every process has as many as it started with (DAPO's dynamic sampling)."
+        },
+    )
+    max_num_gen_batches: int = field(
+        default=4,
+        metadata={
+            "help": "With a prompt_filter: generation rounds per generation batch at most, the first included; "
+            "past it the batch is filled with prompts whose rewards were all equal (advantage 0)."
+        },
+    )
+    prompt_skip: str = field(
+        default="none",
+        metadata={
+            "help": "none, or greso: before generating, skip prompts whose recent groups had all-equal rewards, "
+            "with GRESO's adaptive probability (arXiv 2506.02177)."
+        },
+    )
+    prompt_skip_target: float = field(
+        default=0.25,
+        metadata={"help": "greso: the fraction of zero-variance groups its skip rates steer towards."},
     )
 
     def __post_init__(self) -> None:
@@ -182,6 +278,21 @@ class PODSConfig(GRPOConfig):
                 f"selection_rule='all' keeps every completion, so num_generations_kept must be None or "
                 f"n={n}; got m={m}."
             )
+        for name, value, choices in (
+            ("prompt_filter", self.prompt_filter, PROMPT_FILTERS),
+            ("prompt_skip", self.prompt_skip, PROMPT_SKIPS),
+        ):
+            if value not in choices:
+                raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}.")
+        if isinstance(self.max_num_gen_batches, bool) or not (
+            isinstance(self.max_num_gen_batches, int) and self.max_num_gen_batches >= 1
+        ):
+            raise ValueError(
+                f"max_num_gen_batches must be an int of at least 1 (generation rounds, the first included), "
+                f"got {self.max_num_gen_batches!r}."
+            )
+        if not 0 <= self.prompt_skip_target < 1:
+            raise ValueError(f"prompt_skip_target must be in [0, 1), got {self.prompt_skip_target}.")
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 f"PODS ranks completions by their weighted summed reward, so it needs "
@@ -232,6 +343,44 @@ class PODSTrainer(GRPOTrainer):
             self.accelerator.num_processes,
         )
         self._pods_rewards_per_func: torch.Tensor | None = None
+        self._pods_greso = GresoSettings(args.prompt_skip_target) if args.prompt_skip == "greso" else None
+        self._pods_history = PromptHistory.start(self._pods_greso) if self._pods_greso else None
+        self._pods_generation = (-1, 0)  # (global step, training generations in it so far): seeds the refills
+        if (args.prompt_filter != "none" or self._pods_greso) and not hasattr(self.train_dataset, "__len__"):
+            raise ValueError(
+                "prompt_filter and prompt_skip draw further prompts from train_dataset by index, so it must be a "
+                "map-style dataset (with a length), not an iterable one."
+            )
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):  # type: ignore[override]
+        """TRL's training; with ``prompt_skip="greso"`` a resumed run first reloads GRESO's history."""
+        if self._pods_greso is not None and resume_from_checkpoint:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            folder = (
+                get_last_checkpoint(self.args.output_dir)
+                if resume_from_checkpoint is True
+                else resume_from_checkpoint
+            )
+            path = Path(folder or self.args.output_dir) / PROMPT_SKIP_STATE_FILE
+            if not path.is_file():
+                raise ValueError(
+                    f"{path} is missing: the checkpoint was written without prompt_skip='greso', so its skip "
+                    "history is unknown. Resume with the settings it was written with, or start a new run."
+                )
+            self._pods_history = PromptHistory.from_state(json.loads(path.read_text()), self._pods_greso)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """TRL's checkpoint, plus GRESO's history (``pods_prompt_skip.json``) with ``prompt_skip="greso"``."""
+        super()._save_checkpoint(model, trial)
+        if self._pods_greso is not None and self.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = (
+                Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            (folder / PROMPT_SKIP_STATE_FILE).write_text(json.dumps(self._pods_history.to_state()))
 
     def _selection_generator(self) -> torch.Generator:
         """The random rule's draws, a pure function of (seed, step): the same on every process (each selects
@@ -252,25 +401,19 @@ class PODSTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:  # type: ignore[override]
-        """TRL's generation and scoring, then (in training) keep m of each group of n and redo the advantages."""
-        self._pods_rewards_per_func = None
+        """TRL's generation and scoring (in training: of the prompts GRESO keeps, again for more prompts while the
+        filter drops groups), then keep m of each group of n and redo the advantages."""
+        if not self.model.training:
+            return super()._generate_and_score_completions(inputs)
         # TRL computes old and reference log-probs for all n rows before rewards exist; PODS needs them for
         # the kept m only (text prompts; vLLM's importance-sampling correction needs them for all n).
         n, m = self.num_generations, self.num_generations_kept
         defer = self._defer_logps(inputs)
-        self._pods_defer_logps = defer
-        try:
-            batch = super()._generate_and_score_completions(inputs)
-        finally:
-            self._pods_defer_logps = False
-        rewards_per_func, self._pods_rewards_per_func = self._pods_rewards_per_func, None
-        if not self.model.training:
-            return batch
-        if rewards_per_func is None:
-            raise RuntimeError(
-                "TRL's _generate_and_score_completions did not call _calculate_rewards; this TRL version is not "
-                f"supported by PODSTrainer (tested with {TESTED_TRL_VERSION}.x)."
-            )
+        if self.args.prompt_filter == "none" and self._pods_greso is None:
+            batch, rewards_per_func = self._scored_round(inputs, defer)
+            sampled = None
+        else:
+            batch, rewards_per_func, sampled = self._sampled_batch(inputs, defer)
 
         summed = summed_rewards(rewards_per_func, self.reward_weights)  # [all rows], every process's rows
         local_rows = batch["prompt_ids"].shape[0]
@@ -281,6 +424,11 @@ class PODSTrainer(GRPOTrainer):
                 f"groups of n={n}: groups are not process-local (see check_batch_arithmetic)."
             )
         rewards = summed.view(-1, n)  # [all groups, n]
+        lengths = None
+        if uses_lengths(self.args.selection_rule):  # every process's completion lengths, as the rewards
+            lengths = (
+                self.accelerator.gather(batch["completion_mask"].sum(dim=1)).view(-1, n).to(rewards.device)
+            )
 
         chosen = downsample(
             rewards,
@@ -288,16 +436,19 @@ class PODSTrainer(GRPOTrainer):
             self.args.selection_rule,
             scale=advantage_scale(self.scale_rewards),
             generator=self._selection_generator(),
+            lengths=lengths,
         )  # over every process's groups: [all groups, m]
         kept, kept_rewards, advantages = chosen.kept, chosen.rewards, chosen.advantages
 
         mine = slice(self.accelerator.process_index * groups, (self.accelerator.process_index + 1) * groups)
         trl_advantages = batch["advantages"]
         batch = take_rows(batch, chosen.rows.view(-1, m)[mine].reshape(-1) - mine.start * n, local_rows)
-        if m < n:
+        if m < n or sampled is not None:
             batch["advantages"] = advantages[mine].reshape(-1).to(trl_advantages)
             # The completions table (log_completions) lists all n: show the advantage trained on, NaN if dropped.
             logged = torch.full_like(rewards, float("nan")).scatter_(1, kept, advantages.to(rewards.dtype))
+            if sampled is not None:  # rows of every round, as TRL logged them, NaN for groups not trained on
+                logged = sampled.logged_advantages(logged, self.accelerator)
             self._logs["advantages"].clear()
             self._logs["advantages"].extend(logged.reshape(-1).tolist())
         if defer:
@@ -309,12 +460,106 @@ class PODSTrainer(GRPOTrainer):
             loss_mask = loss_mask * batch["tool_mask"]
         batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
 
-        for name, value in reward_metrics(rewards, kept_rewards).items():
+        generated = (
+            rewards if sampled is None else sampled.all_rewards
+        )  # every group generated, all processes
+        for name, value in reward_metrics(generated, kept_rewards).items():
             if name.startswith(
                 "pods/"
             ):  # TRL logs reward, reward_std and frac_reward_zero_std (over all n) itself
                 self._metrics["train"][name].append(value)
+        for name, value in ({} if sampled is None else sampled.metrics).items():
+            self._metrics["train"][name].append(value)
         return batch
+
+    def _scored_round(self, inputs: list[dict[str, Any]], defer: bool) -> tuple[dict[str, Any], torch.Tensor]:
+        """TRL's generation and scoring of ``inputs``: its batch and the gathered ``[all rows, functions]`` rewards."""
+        self._pods_rewards_per_func = None
+        self._pods_defer_logps = defer
+        try:
+            batch = super()._generate_and_score_completions(inputs)
+        finally:
+            self._pods_defer_logps = False
+        rewards_per_func, self._pods_rewards_per_func = self._pods_rewards_per_func, None
+        if rewards_per_func is None:
+            raise RuntimeError(
+                "TRL's _generate_and_score_completions did not call _calculate_rewards; this TRL version is not "
+                f"supported by PODSTrainer (tested with {TESTED_TRL_VERSION}.x)."
+            )
+        return batch, rewards_per_func
+
+    def _sampled_batch(
+        self, inputs: list[dict[str, Any]], defer: bool
+    ) -> tuple[dict[str, Any], torch.Tensor, _SampledRounds]:
+        """The prompt-level stages on this process's P prompts: skip (GRESO), generate and score (TRL), and with
+        a filter repeat for more prompts (the same number of rounds on every process, at most
+        ``max_num_gen_batches``) until P groups pass; then the P groups as one batch, and their gathered rewards."""
+        acc, n, args = self.accelerator, self.num_generations, self.args
+        if "image" in inputs[0] or "images" in inputs[0]:
+            raise ValueError("prompt_filter and prompt_skip support text prompts only (no images).")
+        wanted = len(inputs) // n
+        first = [prompt_key(inputs[g * n]) for g in range(wanted)]
+        rows = {key: inputs[g * n] for g, key in enumerate(first)}
+        step, count = self._pods_generation
+        self._pods_generation = (self.state.global_step, count + 1 if step == self.state.global_step else 0)
+        candidates = self._pods_candidates(first, rows)
+        rounds = _SampledRounds(wanted, n, acc.num_processes, acc.process_index)
+        while not rounds.batches or (
+            args.prompt_filter != "none"
+            and len(rounds.batches) < args.max_num_gen_batches
+            and bool(acc.gather(torch.tensor([rounds.num_passed < wanted], device=acc.device)).any())
+        ):
+            if self._pods_greso is None:
+                prompts = SkippedPrompts(ids=next(candidates), skipped=0)
+            else:
+                generator = torch.Generator().manual_seed(
+                    ((args.seed * 1_000_003 + self._pods_seed_step) * 64 + acc.process_index) * 1_009
+                    + len(rounds.batches)
+                )
+                prompts = skip_prompts(candidates, self._pods_history, self._pods_greso, wanted, generator)
+            batch, rewards_per_func = self._scored_round(
+                [rows[k] for k in prompts.ids for _ in range(n)], defer
+            )
+            local = rewards_per_func.view(acc.num_processes, -1, rewards_per_func.shape[1])[acc.process_index]
+            rewards = summed_rewards(local, self.reward_weights).view(wanted, n)
+            rounds.add(prompts, batch, local, rewards, passing_groups(rewards, args.prompt_filter))
+        batch, local_rewards_per_func = rounds.join(self._tokenizer.pad_token_id or 0)
+        rewards_per_func = acc.gather(local_rewards_per_func)  # [all processes x P x n, functions], as TRL's
+        rounds.finish(acc, args.prompt_filter)
+        if self._pods_greso is not None:
+            keys = acc.gather(torch.tensor(rounds.ids, device=acc.device)).tolist()
+            outcomes = acc.gather(
+                group_outcomes(rounds.rewards, self._pods_greso.solved_reward).to(acc.device)
+            )
+            history = record_outcomes(self._pods_history, keys, outcomes.tolist())
+            if (
+                self.state.epoch is not None and self.state.epoch >= 1
+            ):  # as GRESO: adapt after the first epoch
+                history = adapt_exploration(history, outcomes.tolist(), self._pods_greso)
+            self._pods_history = history
+            rounds.skip_metrics(acc, history)
+        return batch, rewards_per_func, rounds
+
+    @property
+    def _pods_seed_step(self) -> int:
+        """Seeds refill draws and GRESO's: the global step, and the generation within it (several per step)."""
+        step, count = self._pods_generation
+        return step * 64 + count
+
+    def _pods_candidates(self, first: list[int], rows: dict[int, dict[str, Any]]) -> Iterator[list[int]]:
+        """This process's candidate prompts (keys), P at a time: its own, then draws from ``train_dataset`` in an
+        order seeded by (seed, step), each process taking its own chunk; ``rows`` learns every key drawn."""
+        yield first
+        acc, wanted = self.accelerator, len(first)
+        order = refill_order(len(self.train_dataset), self.args.seed, self._pods_seed_step)
+        for chunk in itertools.count():
+            start = (chunk * acc.num_processes + acc.process_index) * wanted
+            keys = []
+            for k in range(wanted):
+                row = self.train_dataset[order[(start + k) % len(order)]]
+                keys.append(prompt_key(row))
+                rows.setdefault(keys[-1], row)
+            yield keys
 
     def _defer_logps(self, inputs: list[dict[str, Any]]) -> bool:
         """Whether this batch's old/reference log-probs wait for the selection (training, m < n, text only)."""
@@ -354,3 +599,101 @@ class PODSTrainer(GRPOTrainer):
                     batch["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
                         self.model, ids, mask, width, batch_size=size
                     )[0]
+
+
+class _SampledRounds:
+    """One process's generation rounds of one TRL generation batch: TRL's batches, local rewards, the filter's
+    verdicts; joins the P groups the step trains on, and the metrics of the prompt-level stages."""
+
+    def __init__(self, wanted: int, n: int, world: int, rank: int) -> None:
+        self.wanted, self.n, self.world, self.rank = wanted, n, world, rank
+        self.ids: list[int] = []
+        self.skipped = 0
+        self.batches: list[dict[str, Any]] = []
+        self.local_rewards_per_func: list[torch.Tensor] = []
+        self.round_rewards: list[torch.Tensor] = []
+        self.passed: list[torch.Tensor] = []
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def num_passed(self) -> int:
+        return int(torch.cat(self.passed).sum())
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        """``[local groups, n]`` over every round."""
+        return torch.cat(self.round_rewards)
+
+    def add(
+        self,
+        prompts: SkippedPrompts,
+        batch: dict[str, Any],
+        local_rewards_per_func: torch.Tensor,
+        rewards: torch.Tensor,
+        passed: torch.Tensor,
+    ) -> None:
+        """Record one round: its prompts, TRL's batch, this process's rewards (per function and summed ``[P, n]``)."""
+        self.ids.extend(prompts.ids)
+        self.skipped += prompts.skipped
+        self.batches.append(batch)
+        self.local_rewards_per_func.append(local_rewards_per_func)
+        self.round_rewards.append(rewards)
+        self.passed.append(passed.cpu())
+
+    def join(self, pad_id: int) -> tuple[dict[str, Any], torch.Tensor]:
+        """The P groups to train on (those that passed first) as one TRL batch, and their rewards per function:
+        this process's rewards ``[P x n, functions]``."""
+        self.positions = fill_groups(torch.cat(self.passed), self.wanted)
+        rows = (self.positions.unsqueeze(1) * self.n + torch.arange(self.n)).reshape(-1)
+        joined = concat_batches(self.batches, pad_id)
+        batch = take_rows(joined, rows, joined["prompt_ids"].shape[0])
+        local = torch.cat(self.local_rewards_per_func)[rows.to(self.local_rewards_per_func[0].device)]
+        return batch, local
+
+    def finish(self, accelerator: Any, prompt_filter: str) -> None:
+        """Gather what every process generated (rewards, trained positions) and count the filter's work."""
+        device = accelerator.device
+        all_rounds = torch.stack([r.to(device) for r in self.round_rewards])  # [R, P, n]
+        self.all_rewards = accelerator.gather(all_rounds.unsqueeze(0)).reshape(-1, self.n)  # process-major
+        self.all_positions = accelerator.gather(self.positions.to(device).unsqueeze(0)).cpu()  # [world, P]
+        if prompt_filter == "none":
+            return
+        passed = torch.cat(self.passed)
+        trained_passed = int(passed[self.positions].sum())
+        counts = torch.tensor(
+            [len(passed) - int(passed.sum()) - (self.wanted - trained_passed), self.wanted - trained_passed],
+            device=device,
+        )
+        dropped, unfilled = accelerator.gather(counts.unsqueeze(0)).sum(dim=0).tolist()
+        self.metrics.update(
+            {
+                "pods/filter/num_gen_batches": len(self.batches),
+                "pods/filter/groups_dropped": dropped,
+                "pods/filter/extra_rollouts": (len(self.batches) - 1) * self.wanted * self.n * self.world,
+                "pods/filter/groups_unfilled": unfilled,
+            }
+        )
+
+    def skip_metrics(self, accelerator: Any, history: PromptHistory) -> None:
+        """GRESO's metrics: prompts skipped over every process, the rollouts they would have cost, the rates."""
+        skipped = int(accelerator.gather(torch.tensor([self.skipped], device=accelerator.device)).sum())
+        state = history.to_state()
+        self.metrics.update(
+            {
+                "pods/skip/prompts_skipped": skipped,
+                "pods/skip/rollouts_saved": skipped * self.n,
+                "pods/skip/exploration_solved": state["exploration_solved"],
+                "pods/skip/exploration_failed": state["exploration_failed"],
+            }
+        )
+
+    def logged_advantages(self, trained: torch.Tensor, accelerator: Any) -> torch.Tensor:
+        """The completions table's advantages for every row TRL logged this generation (each round, every
+        process's rows in turn), from ``trained[all processes x P, n]`` (NaN where not kept)."""
+        rounds = len(self.batches)
+        logged = torch.full((rounds, self.world, self.wanted, self.n), float("nan"), dtype=trained.dtype)
+        process = torch.arange(self.world).unsqueeze(1)
+        logged[self.all_positions // self.wanted, process, self.all_positions % self.wanted] = (
+            trained.cpu().view(self.world, self.wanted, self.n)
+        )
+        return logged

@@ -25,10 +25,9 @@ __all__ = [
 ]
 
 
-def choose_engine(
-    requested: str, *, model: torch.nn.Module | None = None, load_in_4bit: bool = False
-) -> tuple[str, str]:
-    """``(engine, reason)``: ``auto`` is vLLM where it is installed and can run here, else HF ``generate``."""
+def choose_engine(requested: str, *, model: torch.nn.Module | None = None) -> tuple[str, str]:
+    """``(engine, reason)``: ``auto`` is vLLM where it is installed and can run here, else HF ``generate``.
+    A 4-bit base runs on either (vLLM gets it dequantized)."""
     if requested not in ROLLOUT_ENGINES:
         raise ValueError(
             f"rollout_engine: unknown value {requested!r}; choose one of {', '.join(ROLLOUT_ENGINES)}"
@@ -38,8 +37,6 @@ def choose_engine(
     from pods.rollout.vllm import vllm_unavailable_reason
 
     reason = vllm_unavailable_reason(model)
-    if reason is None and load_in_4bit:
-        reason = "a 4-bit (QLoRA) base is not pushed into vLLM by pods yet"
     if reason is None and requested == "auto" and _cpu_processes() > 1:
         reason = "several CPU processes: one vLLM engine per process is untested on the CPU backend"
     if requested == "vllm":

@@ -7,7 +7,15 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["RolloutEngine", "Rollouts", "SamplingParams", "cut_after_stop", "left_pad", "tokenize_prompts"]
+__all__ = [
+    "RolloutEngine",
+    "Rollouts",
+    "SamplingParams",
+    "concat_rollouts",
+    "cut_after_stop",
+    "left_pad",
+    "tokenize_prompts",
+]
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,44 @@ class Rollouts:
                 None if self.sampling_logprobs is None else self.sampling_logprobs[rows][:, :completion_end]
             ),
         )
+
+
+def concat_rollouts(parts: list[Rollouts], pad_id: int = 0) -> Rollouts:
+    """Several batches of rollouts with the same n (refill rounds of one step) as one, prompt-major in the given
+    order: prompts re-padded on the left and completions on the right (with ``pad_id``, under a 0 mask)."""
+    if not parts:
+        raise ValueError("concat_rollouts needs at least one batch of rollouts.")
+    if len(parts) == 1:
+        return parts[0]
+    n = parts[0].num_generations
+    if any(part.num_generations != n for part in parts):
+        raise ValueError(f"cannot join rollouts of different n: {[part.num_generations for part in parts]}.")
+    if len({part.sampling_logprobs is None for part in parts}) > 1:
+        raise ValueError("cannot join rollouts with and without sampling log-probs.")
+    prompt_width = max(part.prompt_ids.shape[1] for part in parts)
+    completion_width = max(part.completion_ids.shape[1] for part in parts)
+
+    def pad(tensor: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+        missing = width - tensor.shape[1]
+        return torch.nn.functional.pad(tensor, (missing, 0) if left else (0, missing), value=value)
+
+    return Rollouts(
+        prompt_ids=torch.cat([pad(p.prompt_ids, prompt_width, pad_id, left=True) for p in parts]),
+        prompt_mask=torch.cat([pad(p.prompt_mask, prompt_width, 0, left=True) for p in parts]),
+        completion_ids=torch.cat(
+            [pad(p.completion_ids, completion_width, pad_id, left=False) for p in parts]
+        ),
+        completion_mask=torch.cat([pad(p.completion_mask, completion_width, 0, left=False) for p in parts]),
+        texts=[text for part in parts for text in part.texts],
+        truncated=torch.cat([part.truncated for part in parts]),
+        num_prompts=sum(part.num_prompts for part in parts),
+        num_generations=n,
+        sampling_logprobs=(
+            None
+            if parts[0].sampling_logprobs is None
+            else torch.cat([pad(p.sampling_logprobs, completion_width, 0.0, left=False) for p in parts])
+        ),
+    )
 
 
 def _group_layout(groups: torch.Tensor) -> tuple[int, int]:

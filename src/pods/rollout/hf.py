@@ -7,6 +7,7 @@ import weakref
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
+from pods.errors import ConfigError
 from pods.rollout.base import (
     Rollouts,
     SamplingParams,
@@ -24,14 +25,54 @@ __all__ = ["HFGenerateEngine"]
 _STOP_CRITERIA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _stop_criterion(tokenizer, stop_strings: tuple[str, ...]) -> StopStringCriteria:
+def _stop_criterion(tokenizer, stop_strings: tuple[str, ...]) -> StopStringCriteria | None:
+    """The criterion for ``stop_strings``; None where no token can end any of them (the completions then
+    never contain one: e.g. "</answer>" for the embedded model, whose vocabulary has no "<")."""
     try:
         per_tokenizer = _STOP_CRITERIA.setdefault(tokenizer, {})
     except TypeError:  # a tokenizer that cannot be weakly referenced or hashed: no caching
         per_tokenizer = {}
     if stop_strings not in per_tokenizer:
-        per_tokenizer[stop_strings] = StopStringCriteria(tokenizer=tokenizer, stop_strings=list(stop_strings))
+        try:
+            criterion = _StopStrings(tokenizer=tokenizer, stop_strings=list(stop_strings))
+        except ValueError as error:  # HF refuses stop strings that no token of the vocabulary can end
+            if "unable to identify tokens" not in str(error):
+                raise
+            criterion = None
+        per_tokenizer[stop_strings] = criterion
     return per_tokenizer[stop_strings]
+
+
+class _StopStrings(StopStringCriteria):
+    """HF's stop-string criterion for any tokenizer whose tokens decode to text.
+
+    To learn the text of each token, HF decodes it after a fixed prefix ("abcdef") and cuts the prefix off, so
+    the prefix must come back from encoding and decoding; a word-level vocabulary (the embedded model's) turns
+    it into ``<unk>``, and HF's cut fails. Here the prefix is one the tokenizer does round-trip."""
+
+    @staticmethod
+    def clean_tokenizer_vocab(tokenizer, static_prefix: str = "abcdef", stop_string_matching_mode=None):
+        return StopStringCriteria.clean_tokenizer_vocab(
+            tokenizer, _round_trip_prefix(tokenizer, static_prefix), stop_string_matching_mode
+        )
+
+
+def _round_trip_prefix(tokenizer, preferred: str) -> str:
+    """``preferred`` if the tokenizer decodes it back from its tokens, else the first such alphabetic token."""
+
+    def round_trips(text: str) -> bool:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text in tokenizer.convert_tokens_to_string(tokenizer.convert_ids_to_tokens(ids))
+
+    if round_trips(preferred):
+        return preferred
+    for token in tokenizer.get_vocab():
+        if token.isalpha() and token.isascii() and round_trips(token):
+            return token
+    raise ConfigError(
+        "stop_strings: the tokenizer decodes no plain word back to itself, so the text of its tokens (which "
+        "stop-string matching needs) is unknown; end completions with an EOS token instead"
+    )
 
 
 class _RecordStops(StoppingCriteria):
@@ -165,8 +206,8 @@ class HFGenerateEngine:
         ids, mask = ids[:, first:], mask[:, first:]
         rows, prompt_length = ids.shape
         stops = None
-        if sampling.stop_strings:
-            inner = _stop_criterion(self.tokenizer, sampling.stop_strings)
+        inner = _stop_criterion(self.tokenizer, sampling.stop_strings) if sampling.stop_strings else None
+        if inner is not None:
             stops = _RecordStops(inner, prompt_length, rows)
         output = self.model.generate(
             input_ids=ids.to(device),

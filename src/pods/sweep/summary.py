@@ -13,14 +13,7 @@ from typing import Any
 from pods.config import TrainConfig
 from pods.errors import ConfigError
 from pods.metrics import read_jsonl
-from pods.stats import (
-    accuracy_standard_error,
-    bootstrap_ci,
-    common_grid,
-    compare_curves,
-    smoothed_mean_curve,
-    time_to_level,
-)
+from pods.stats import accuracy_standard_error, compare_curves, curve_levels, mean_interval, time_to_level
 from pods.sweep.plan import Arm, resolve_baselines
 
 
@@ -75,14 +68,11 @@ def summarise(
     by_arm = {name: arm_runs for name, arm_runs in by_arm.items() if arm_runs}
     baselines = resolve_baselines(arms, baseline)
     summary: dict[str, Any] = {"baseline": baseline, "arms": {}}
-    targets = {}  # per baseline arm: the accuracy to time
-    for name in set(baselines.values()) & set(by_arm):
-        curves = _curves(by_arm[name])
-        smoothed_peak = float(smoothed_mean_curve(curves, common_grid([curves]))[1].max())
-        targets[name] = target if target is not None else 0.99 * smoothed_peak
+    levels = {name: curve_levels(_curves(by_arm[name])) for name in set(baselines.values()) & set(by_arm)}
+    targets = {name: target if target is not None else found["paper"] for name, found in levels.items()}
     if len(set(baselines.values())) == 1 and targets:  # one baseline: one target for every arm
         summary["target_accuracy"] = next(iter(targets.values()))
-        summary["target_is"] = "given" if target is not None else "99% of the baseline's smoothed peak"
+        summary["target_is"] = "given" if target is not None else "99% of the baseline's plateau"
     for arm in arms:
         arm_runs = by_arm.get(arm.name)
         if not arm_runs:
@@ -96,10 +86,10 @@ def summarise(
             "overrides": arm.overrides,
             "seeds": [r.seed for r in arm_runs],
             "start_accuracy": sum(r.accuracy[0] for r in arm_runs) / len(arm_runs),
-            "accuracy_at_budget": _mean_ci(final),
+            "accuracy_at_budget": mean_interval(final).to_dict(),
             "accuracy_at_budget_per_seed": final,
             "accuracy_at_budget_se_over_problems": (sum(s * s for s in se) ** 0.5) / len(se),
-            "best_accuracy": _mean_ci(best),
+            "best_accuracy": mean_interval(best).to_dict(),
             "best_accuracy_per_seed": best,
             "train_seconds": [r.seconds[-1] for r in arm_runs],
             "steps": [r.steps for r in arm_runs],
@@ -112,12 +102,13 @@ def summarise(
             row["baseline"] = base_name
             row["target_accuracy"] = targets[base_name]
             row["seconds_to_target"] = time_to_level(_curves(arm_runs), targets[base_name]).to_dict()
-        if base_runs and arm.name != base_name:
-            row["speedup"] = {
-                k: v.to_dict() for k, v in compare_curves(_curves(base_runs), _curves(arm_runs)).items()
-            }
-            per_step = compare_curves(_curves(base_runs, by_step=True), _curves(arm_runs, by_step=True))
-            row["speedup_per_step"] = {k: v.to_dict() for k, v in per_step.items()}
+        if base_runs and arm.name != base_name:  # the same levels per second and per step
+            row["speedup_levels"] = levels[base_name]
+            for key, by_step in (("speedup", False), ("speedup_per_step", True)):
+                found = compare_curves(
+                    _curves(base_runs, by_step), _curves(arm_runs, by_step), levels=levels[base_name]
+                )
+                row[key] = {name: value.to_dict() for name, value in found.items()}
         summary["arms"][arm.name] = row
     summary["auto_vs_best_fixed"] = auto_against_best_fixed(summary["arms"])
     return summary
@@ -175,7 +166,12 @@ def summarise_and_write(
 
     curves = {arm.name: _curves([r for r in runs if r.arm == arm.name]) for arm in arms}
     title = f"{base.task}: accuracy against training time (mean over seeds, 95% band)"
-    plot_sweep_curves({k: v for k, v in curves.items() if v}, output_dir / "accuracy_vs_time.png", title)
+    plot_sweep_curves(
+        {k: v for k, v in curves.items() if v},
+        output_dir / "accuracy_vs_time.png",
+        title,
+        target=summary.get("target_accuracy"),
+    )
     if swept_keys:
         plot_sweep_values(summary, list(swept_keys), output_dir / f"accuracy_vs_{swept_keys[0]}.png")
     return summary
@@ -225,16 +221,6 @@ def _curves(runs: list[SeedRun], by_step: bool = False) -> list[tuple[list[float
     return [([float(s) for s in (r.steps_at_eval if by_step else r.seconds)], r.accuracy) for r in runs]
 
 
-def _mean_ci(values: list[float]) -> dict[str, float | None]:
-    low, high = bootstrap_ci(values)
-    finite = low == low and high == high  # NaN (one seed): no interval
-    return {
-        "value": sum(values) / len(values),
-        "low": low if finite else None,
-        "high": high if finite else None,
-    }
-
-
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -279,27 +265,35 @@ def format_summary(summary: dict[str, Any]) -> str:
             continue
         baseline = row["baseline"]
         lines.append(
-            f"\n{arm} vs {baseline} (speed-up = {baseline}'s time / {arm}'s time, 95% interval over seeds):"
+            f"\n{arm} vs {baseline} (speed-up = {baseline}'s time / {arm}'s time to the accuracy named, "
+            "geometric means over seeds, Welch's 95% interval):"
         )
         for unit, key in (("per second", "speedup"), ("per step", "speedup_per_step")):
-            parts = [f"{_metric_name(name)} {_speedup(value)}" for name, value in row[key].items()]
+            parts = [f"{_metric_name(name, value)} {_speedup(value)}" for name, value in row[key].items()]
             lines.append(f"  {unit}: " + "; ".join(parts))
     return "\n".join(lines)
 
 
-def _metric_name(name: str) -> str:
-    return "to 99% of peak (paper)" if name == "paper" else f"to {name.split('_')[1]}% of the gain"
+def _metric_name(name: str, value: dict[str, Any]) -> str:
+    what = "99% of the plateau, the paper's" if name == "paper" else f"{name.split('_')[1]}% of the gain"
+    return f"to {_pct(value['level'])} ({what})"
 
 
 def _speedup(value: dict[str, Any]) -> str:
     if value["value"] is None:
         return "n/a (the baseline did not climb)"
-    if value["arm_seconds"] is None:
-        return "never reached within the budget"
-    interval = (
-        "" if value["low"] is None else f" ({value['low']:.2f}-{value['high']:.2f}, {value['verdict']})"
-    )
-    return f"{value['value']:.2f}x{interval}"
+    if value["low"] is None:
+        text = f"{value['value']:.2f}x (undetermined: one seed gives no interval)"
+    else:
+        text = f"{value['value']:.2f}x ({value['low']:.2f}-{value['high']:.2f}, {value['verdict']})"
+    notes = []
+    if value["arm_never"]:
+        notes.append(f"the arm never reached it in {value['arm_never']} seed(s)")
+    if value["baseline_never"]:
+        notes.append(f"the baseline never reached it in {value['baseline_never']} seed(s)")
+    if value["early"]:
+        notes.append(f"{value['early']} seed(s) reached it before their first evaluation: evaluate earlier")
+    return text + (f" [{'; '.join(notes)}]" if notes else "")
 
 
 def _seconds(value: dict[str, Any]) -> str:
@@ -307,10 +301,13 @@ def _seconds(value: dict[str, Any]) -> str:
         return "-"
     if value.get("value") is None:
         return "never"
-    low, high = value.get("low"), value.get("high")
-    if low is None:
-        return f"{value['value']:.0f}"
-    return f"{value['value']:.0f} ({low:.0f}-{'never' if high is None else f'{high:.0f}'})"
+    if value["value"] == 0:
+        return "0 (met at the start)"
+    never = f", {value['never']} of {value['seeds']} seeds never" if value.get("never") else ""
+    at_least = ">=" if value.get("never") else ""
+    if value.get("low") is None:
+        return f"{at_least}{value['value']:.0f}{never}"
+    return f"{at_least}{value['value']:.0f} ({value['low']:.0f}-{value['high']:.0f}{never})"
 
 
 def _pct_ci(value: dict[str, Any]) -> str:
