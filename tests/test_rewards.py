@@ -215,7 +215,21 @@ def test_math500_solutions_score_one_with_math_accuracy_reward(math500: list[dic
     assert scores == [1.0] * 500
 
 
+@pytest.fixture
+def patient_math_verify(monkeypatch: pytest.MonkeyPatch):
+    """A math-verify worker of its own with 30 s instead of 1 s per parse and comparison: the first parse of a
+    form (an interval, a tuple with pi) warms sympy up, which can take over 1 s on a busy machine."""
+    from pods.rewards import symbolic
+
+    monkeypatch.setenv("PODS_MATH_VERIFY_INNER_TIMEOUT", "30")
+    monkeypatch.setattr(symbolic, "_worker", None)  # the shared one is put back afterwards
+    yield
+    if symbolic._worker is not None:
+        symbolic._worker.close()
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("patient_math_verify")
 def test_math500_solutions_verify_through_math_verify_itself(math500: list[dict]) -> None:
     """The same bar without the fast textual path: every solution goes through math-verify (with time to spare:
     a busy machine must not turn a slow verification into a failure)."""

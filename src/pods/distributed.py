@@ -6,9 +6,26 @@ the processes meet: metrics over every process, and clock-based decisions that a
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+from pods.errors import ConfigError
+
+
+def require_every_launched_process(accelerator: Any) -> None:
+    """Stop with a :class:`ConfigError` when the launcher started more processes (``WORLD_SIZE``) than
+    accelerate joined into this run: each would train alone and write the same run folder. accelerate does
+    that on a CPU with DeepSpeed, for one."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise ConfigError(
+            f"the launcher started {launched} processes (WORLD_SIZE) but accelerate runs this one as "
+            f"{accelerator.num_processes} of {accelerator.num_processes} ({accelerator.distributed_type.value}), "
+            "so each would train alone into the same run folder (accelerate does this with DeepSpeed on machines "
+            "without a GPU: there, launch with --multi_gpu and ACCELERATE_USE_CPU=true)"
+        )
 
 
 def gather(accelerator: Any, values: torch.Tensor) -> torch.Tensor:
@@ -66,13 +83,20 @@ def deepspeed_batch_settings(
 
 
 def exported_state_dict(accelerator: Any, model: Any) -> dict[str, torch.Tensor] | None:
-    """The model's full weights for an export, gathered from every process under DeepSpeed ZeRO-3 (a
-    collective: call on every process); None elsewhere, where ``save_pretrained`` reads the model itself.
-    Without it, a ZeRO-3 export would hold each parameter's empty local shard."""
+    """The model's full weights for an export, gathered from every process under DeepSpeed ZeRO-3 or FSDP2 (a
+    collective: call on every process; the main process gets them); None elsewhere, where
+    ``save_pretrained`` reads the model itself. Without it, the export would hold each parameter's local
+    shard. A tied weight keeps its first name only: gathered copies no longer share storage, so
+    ``save_pretrained`` would write both."""
     plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.deepspeed_config.get("zero_optimization", {}).get("stage") != 3:
+    zero3 = plugin is not None and plugin.deepspeed_config.get("zero_optimization", {}).get("stage") == 3
+    if not (zero3 or accelerator.is_fsdp2):
         return None
-    return accelerator.get_state_dict(model)
+    weights = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    aliases = {name for name, _ in unwrapped.named_parameters(remove_duplicate=False)}
+    aliases -= {name for name, _ in unwrapped.named_parameters()}
+    return {name: value for name, value in weights.items() if name not in aliases}
 
 
 def deepspeed_guards_non_finite_steps(model: Any) -> None:

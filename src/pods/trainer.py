@@ -43,6 +43,7 @@ from pods.distributed import (
     deepspeed_guards_non_finite_steps,
     exported_state_dict,
     gather,
+    require_every_launched_process,
     synced_any,
     synced_max,
     synced_mean,
@@ -67,6 +68,7 @@ from pods.prompt_skip import (
 )
 from pods.registries import check_names
 from pods.rollout import Rollouts, SamplingParams, build_engine, choose_engine
+from pods.run_folder import require_shared_folder
 from pods.scoring import RewardFunction, reward_name, score_completions
 from pods.update import NonFiniteGuard, policy_update
 
@@ -140,10 +142,12 @@ class PODSTrainer:
             gradient_accumulation_steps=micro_batches,
         )
         acc = self.accelerator
+        require_every_launched_process(acc)
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.output_dir / "config.yaml")
         acc.wait_for_everyone()
+        require_shared_folder(acc, self.output_dir)  # several machines resume from one checkpoint
         self.checkpoint_root = self.output_dir / "checkpoints"
         self._saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint written or loaded
         self.metrics_log = JsonlLog(self.output_dir / "metrics.jsonl", enabled=acc.is_main_process)
@@ -189,6 +193,11 @@ class PODSTrainer:
             )
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        if cfg.rollout_engine == "hf" and acc.is_fsdp2 and acc.num_processes > 1:
+            raise ConfigError(
+                "rollout_engine: hf cannot sample from a model that FSDP shards over several processes (every "
+                "process would wait for the others' shards at each token); use rollout_engine: vllm"
+            )
         if acc.is_main_process:
             cfg.save(self.output_dir / "config.yaml")
         self.engine = build_engine(
@@ -532,7 +541,7 @@ class PODSTrainer:
         if self._saved is not None and self._saved[0] == state.step:
             return self._saved[1]  # already saved (or resumed from) at this step
         state.last_save_seconds = state.train_seconds
-        weights = exported_state_dict(self.accelerator, self.model)  # every process: gathers under ZeRO-3
+        weights = exported_state_dict(self.accelerator, self.model)  # every process: gathers if sharded
         folder = save_checkpoint(
             self.accelerator,
             self.checkpoint_root,
@@ -547,7 +556,7 @@ class PODSTrainer:
 
     def _export(self, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
         """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``; ``weights``
-        are the gathered ones under ZeRO-3 (peft keeps the adapter's out of a full state dict itself)."""
+        are the gathered ones under ZeRO-3 or FSDP2 (peft keeps the adapter's out of a full state dict itself)."""
         self.accelerator.unwrap_model(self.model).save_pretrained(folder, state_dict=weights)
         self.tokenizer.save_pretrained(folder)
 

@@ -48,6 +48,7 @@ from pods.rollout.base import (
     pad_token_id,
     tokenize_prompts,
 )
+from pods.rollout.fsdp import UnitGatherer
 from pods.rollout.native_stderr import native_stderr_without
 
 __all__ = ["VLLMEngine", "WeightSyncError", "engine_dtype", "vllm_unavailable_reason"]
@@ -375,27 +376,30 @@ def _named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     A LoRA layer's weight is pushed as base + its adapters' delta, computed aside: merging into the base and
     unmerging afterwards would leave float rounding drift in the trained weights. A 4-bit (bitsandbytes)
     weight is dequantized first. Under DeepSpeed ZeRO-3 a layer's parameters (base and LoRA together) are
-    gathered for its turn only, and copied out.
+    gathered for its turn only, under FSDP2 the unit that holds them (:class:`UnitGatherer`), and copied out.
     """
     base = _base_model(model)
-    for name, param in base.named_parameters(remove_duplicate=False):  # tied weights under both names
-        if "lora_" in name or ".original_module." in name:
-            continue
-        owner_name, _, leaf = name.rpartition(".")
-        owner = base.get_submodule(owner_name)
-        lora_layer = (
-            base.get_submodule(owner_name.removesuffix(".base_layer"))
-            if owner_name.endswith(".base_layer")
-            else None
-        )
-        together = list(lora_layer.parameters()) if lora_layer is not None else [param]
-        with _gathered(together), torch.no_grad():
-            tensor = _dequantized(owner) if leaf == "weight" else param.detach()
-            if lora_layer is not None and leaf == "weight":
-                tensor = tensor + _lora_delta(lora_layer)
-            elif hasattr(param, "ds_id"):
-                tensor = tensor.clone()
-            yield _ADAPTER_PART.sub("", name), tensor
+    with UnitGatherer(model) as units:
+        for name, param in base.named_parameters(remove_duplicate=False):  # tied weights under both names
+            if "lora_" in name or ".original_module." in name:
+                continue
+            owner_name, _, leaf = name.rpartition(".")
+            owner = base.get_submodule(owner_name)
+            lora_layer = (
+                base.get_submodule(owner_name.removesuffix(".base_layer"))
+                if owner_name.endswith(".base_layer")
+                else None
+            )
+            units.hold(owner)  # FSDP2: owner's unit (with any LoRA adapters in it) unsharded from here on
+            together = list(lora_layer.parameters()) if lora_layer is not None else [param]
+            with _gathered(together), torch.no_grad():
+                # read from the module: under FSDP2 it now holds the unsharded parameter, not `param`
+                tensor = _dequantized(owner) if leaf == "weight" else getattr(owner, leaf).detach()
+                if lora_layer is not None and leaf == "weight":
+                    tensor = tensor + _lora_delta(lora_layer)
+                elif hasattr(param, "ds_id") or units.holding:  # the gathered storage is freed after its turn
+                    tensor = tensor.clone()
+                yield _ADAPTER_PART.sub("", name), tensor
 
 
 def _dequantized(module: torch.nn.Module) -> torch.Tensor:

@@ -1,0 +1,47 @@
+"""The run folder, one folder for every process of a run, wherever they run.
+
+A checkpoint is written once, by the main process (plus each rank's own files: RNG states, DeepSpeed or
+FSDP shards), and every process resumes from it; the metric logs are written by the main process alone. So
+the machines of a multi-machine run must share the run folder (a disk each mounts at the same path).
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+from pods.distributed import synced_any
+from pods.errors import ConfigError
+
+__all__ = ["require_shared_folder"]
+
+
+def require_shared_folder(accelerator, folder: Path) -> None:
+    """Stop every process with a :class:`ConfigError` unless all machines of the launch see ``folder`` as one
+    folder (a collective; nothing to check on one machine). Each machine's first process writes a marker
+    named by a token the main process chose, then looks for the other machines' markers."""
+    if accelerator.num_processes == 1:
+        return
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    local_main = accelerator.is_local_main_process
+    firsts = gather_object([accelerator.process_index if local_main else None])
+    machines = [index for index in firsts if index is not None]
+    if len(machines) == 1:
+        return
+    token = broadcast_object_list([uuid.uuid4().hex if accelerator.is_main_process else None])[0]
+    markers = folder / f".machines-{token}"
+    if local_main:
+        markers.mkdir(parents=True, exist_ok=True)
+        (markers / str(accelerator.process_index)).touch()
+    accelerator.wait_for_everyone()
+    unseen = synced_any(accelerator, local_main and any(not (markers / str(i)).exists() for i in machines))
+    if local_main:  # every machine has looked (the reduction above waited for all of them)
+        shutil.rmtree(markers, ignore_errors=True)
+    if unseen:
+        raise ConfigError(
+            f"output_dir: {folder} is not one folder shared by the {len(machines)} machines of this launch "
+            "(a machine cannot see the files another writes there), so they could not resume from one "
+            "checkpoint; put output_dir on a disk every machine mounts at the same path (NFS, Lustre, GPFS, ...)"
+        )
