@@ -1,4 +1,5 @@
-"""The synthetic arithmetic task: determinism, disjoint splits, distinctness, difficulty, correct solutions."""
+"""The synthetic arithmetic tasks: determinism, disjoint splits, distinctness, difficulty, correct solutions,
+the misconceptions, and the arith-hard task's spec."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import re
 
 import pytest
 
+from pods.data import load_task
 from pods.data.arith import (
+    HARD_SPEC,
+    SYMBOL,
     ArithSpec,
     format_prompt,
     format_solution,
@@ -20,25 +24,32 @@ from pods.data.arith import (
     supervised_pairs,
 )
 
-STEP = re.compile(r"(\d+) ([+*-]) (\d+) = (\d+)\.")
+STEP = re.compile(r"(-?\d+) ([+*-]) (\d+) = (-?\d+)\.")  # misconceived chains can go below 0
 
 
-def _check_solution(solution: str, answer: int) -> list[tuple[int, str, int, int]]:
-    """Recompute every step of a worked solution; return the parsed steps."""
+def _check_chain(solution: str) -> list[tuple[int, str, int, int]]:
+    """Recompute every step of a worked solution and check that each starts from the last; return the steps."""
     steps = [(int(a), op, int(b), int(c)) for a, op, b, c in STEP.findall(solution)]
     assert steps, solution
     for a, op, b, c in steps:
         assert c == {"+": a + b, "-": a - b, "*": a * b}[op], solution
     for (_, _, _, c), (a, _, _, _) in itertools.pairwise(steps):
         assert a == c, f"chain broken in {solution}"
-    assert solution.endswith(f" #### {answer}") and steps[-1][3] == answer
+    assert solution.endswith(f" #### {steps[-1][3]}")
     return steps
 
 
-@pytest.mark.parametrize("difficulty", [1, 2, 3, 4, 5])
-def test_gold_solutions_recompute(difficulty: int) -> None:
-    spec = spec_for_difficulty(difficulty)
-    for problem in generate_problems(300, seed=difficulty, spec=spec):
+def _check_solution(solution: str, answer: int) -> list[tuple[int, str, int, int]]:
+    """Recompute every step of a worked solution and check its answer; return the parsed steps."""
+    steps = _check_chain(solution)
+    assert steps[-1][3] == answer, solution
+    return steps
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3, 4, 5, "hard"])
+def test_gold_solutions_recompute(difficulty: int | str) -> None:
+    spec = HARD_SPEC if difficulty == "hard" else spec_for_difficulty(difficulty)
+    for problem in generate_problems(300, seed=0 if difficulty == "hard" else difficulty, spec=spec):
         steps = _check_solution(format_solution(problem), problem.answer)
         assert spec.min_steps <= len(steps) <= spec.max_steps
         assert all(c >= 0 for *_, c in steps)
@@ -140,3 +151,69 @@ def test_load_arith_other_prompt_styles_and_length_filter() -> None:
     lengths = [len(tokenizer(p)["input_ids"]) for p in full["prompt"]]
     expected = [q for q, n in zip(full["question"], lengths, strict=True) if n <= 30][:40]
     assert short["question"] == expected and 0 < len(expected) < 300
+
+
+def test_hard_spec_has_one_to_three_traps_in_three_small_steps() -> None:
+    problems = generate_problems(2000, seed=0, spec=HARD_SPEC, split="train")
+    assert all(len(p.steps) == 3 and sum(s.kind == "gives" for s in p.steps) == 1 for p in problems)
+    assert all(s.after < 100 and s.operand < 20 for p in problems for s in p.steps)
+    traps = [p.traps for p in problems]
+    assert traps == [1 + sum(s.kind in ("double", "triple") for s in p.steps) for p in problems]
+    shares = {k: traps.count(k) / len(traps) for k in (1, 2, 3)}
+    assert all(0.15 < share < 0.6 for share in shares.values()), shares  # all three counts are common
+    assert {s.kind for p in problems for s in p.steps} == {"add", "sub", "gives", "double", "triple"}
+
+
+def test_hard_task_is_registered_deterministic_and_its_splits_disjoint() -> None:
+    test = load_task("arith-hard", "test", num_problems=300)
+    assert test["question"] == load_task("arith-hard", "test", num_problems=300)["question"]
+    assert test["question"] != load_task("arith-hard", "test", num_problems=300, seed=1)["question"]
+    train = load_task("arith-hard", "train", num_problems=3000)
+    assert len(set(train["question"])) == 3000 and not set(train["question"]) & set(test["question"])
+    assert all(split_of(q) == "test" for q in test["question"])
+    assert test[0]["prompt"] == format_prompt(test[0]["question"]) and min(test["traps"]) >= 1
+    # a different task from arith: no question in common
+    assert not set(test["question"]) & set(load_arith("test", num_problems=1000)["question"])
+    with pytest.raises(ValueError, match="difficulty"):
+        load_task("arith-hard", "test", difficulty=2)
+
+
+def test_each_misconception_is_its_own_wrong_procedure() -> None:
+    problems = [p for p in generate_problems(500, seed=0, spec=HARD_SPEC) if p.traps == 3]
+    misread_operand = {"gives": None, "double": 2, "triple": 3}
+    for problem in problems[:50]:
+        for i, step in enumerate(problem.steps):
+            solution = format_solution(problem, misconceived=[i])
+            steps = _check_chain(solution)  # still a consistent chain of right sums
+            assert [op for _, op, _, _ in steps] == [
+                "+" if j == i else SYMBOL[s.kind] for j, s in enumerate(problem.steps)
+            ]
+            assert steps[i][2] == (misread_operand[step.kind] or step.operand)
+            if steps[i][3] != step.after:  # 2 doubled is 2 + 2: the only case where the trap changes nothing
+                assert not solution.endswith(f"#### {problem.answer}"), solution
+        assert format_solution(problem, misconceived=True) == format_solution(problem, misconceived=[0, 1, 2])
+        assert format_solution(problem, misconceived=[]) == format_solution(problem)
+
+
+def test_supervised_pairs_misconceive_each_kind_at_its_rate() -> None:
+    rates = {"gives": 0.8, "double": 0.5, "triple": 0.2}
+    pairs = supervised_pairs(2000, seed=0, spec=HARD_SPEC, misconception_rate=rates)
+    truth = generate_problems(2000, seed=0, spec=HARD_SPEC, split="train")
+    wrong: dict[str, list[bool]] = {kind: [] for kind in rates}
+    for problem, (_, completion) in zip(truth, pairs, strict=True):
+        ops = [op for _, op, _, _ in _check_chain(completion)]
+        for step, op in zip(problem.steps, ops, strict=True):
+            if step.kind in rates:
+                wrong[step.kind].append(op != SYMBOL[step.kind])
+            else:
+                assert op == SYMBOL[step.kind]
+    for kind, rate in rates.items():
+        assert abs(sum(wrong[kind]) / len(wrong[kind]) - rate) < 0.05, kind
+    # a number is the rate of "gives" steps: the same draws as the mapping that names only "gives"
+    assert supervised_pairs(300, seed=1, misconception_rate=0.6) == supervised_pairs(
+        300, seed=1, misconception_rate={"gives": 0.6}
+    )
+    with pytest.raises(ValueError, match="misconception rates"):
+        supervised_pairs(10, misconception_rate={"sub": 0.5})
+    with pytest.raises(ValueError, match="misconception rates"):
+        supervised_pairs(10, misconception_rate=1.5)

@@ -1,9 +1,12 @@
-"""The embedded default model: a word-level tokenizer for the arithmetic task, a ~1M-parameter Llama,
-and the supervised pre-training that turns it into the base model `pods train` fine-tunes with RL.
+"""The embedded models: a word-level tokenizer for the arithmetic tasks, a ~1M-parameter Llama, and
+the supervised pre-training that turns it into a base model `pods train` fine-tunes with RL.
 
-The base model is trained on worked solutions where most "gives b to X" steps are written as additions
-(see ``pods.data.arith``), so it knows both the right and a plausible wrong procedure: greedy decoding
-follows the wrong one, sampling sometimes finds the right one, and RL has something to select.
+A base model is trained on worked solutions where most steps of some kinds are written wrongly (a
+"gives b to X" step as an addition, ...; see ``pods.data.arith``), so it knows both the right and a
+plausible wrong procedure: greedy decoding follows the wrong one, sampling sometimes finds the right
+one, and RL has something to select. Two are shipped (:data:`EMBEDDED_MODELS`): ``arith-base`` for the
+``arith`` task (the default) and ``arith-hard-base`` for ``arith-hard``, where sampled solutions are
+rarely right (the sparse-reward regime, with room to climb for minutes on a CPU).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import math
 import random
 import re
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,33 @@ MODEL_CONFIG = {
     "num_key_value_heads": 4,
     "max_position_embeddings": 256,
 }
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """How one shipped base model is built: the task it is for, its problems, the share of each kind of
+    step written with its misconception in the supervised data, and the number of supervised steps."""
+
+    folder: str  # pods/assets/<folder>
+    task: str  # the registered task (pods.data) it is trained and evaluated on
+    spec: arith.ArithSpec
+    misconception_rates: Mapping[str, float]
+    steps: int
+    max_new_tokens: int  # longest solution, misconceived ones included, plus eos
+
+
+EMBEDDED_MODELS = {
+    "arith": EmbeddedModel("arith-base", "arith", arith.spec_for_difficulty(1), {"gives": 0.6}, 600, 32),
+    "arith-hard": EmbeddedModel(
+        "arith-hard-base",
+        "arith-hard",
+        arith.HARD_SPEC,
+        {"gives": 0.85, "double": 0.7, "triple": 0.7},
+        1200,
+        40,
+    ),
+}
+"""The shipped base models by task; a config names one as ``embedded-<task>`` (``embedded`` is ``arith``'s)."""
 
 
 def _task_vocabulary() -> list[str]:
@@ -109,20 +141,30 @@ def _batch(tokenizer: Any, pairs: list[tuple[str, str]]):
 
 
 def generate_answers(
-    model: Any, tokenizer: Any, prompts: list[str], *, temperature: float = 0.0, batch_size: int = 256
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    *,
+    temperature: float = 0.0,
+    batch_size: int = 256,
+    max_new_tokens: int = 32,
+    num_return_sequences: int = 1,
 ) -> list[str]:
-    """Completions for ``prompts`` (greedy when ``temperature`` is 0), up to 32 new tokens, with KV cache."""
+    """Completions for ``prompts`` (greedy when ``temperature`` is 0; ``num_return_sequences`` samples per
+    prompt, consecutive), with KV cache."""
     import torch
 
     out: list[str] = []
     model.eval()
+    per_batch = max(1, batch_size // num_return_sequences)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     with torch.no_grad():
-        for i in range(0, len(prompts), batch_size):
-            batch = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True).to(model.device)
-            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        for i in range(0, len(prompts), per_batch):
+            batch = tokenizer(prompts[i : i + per_batch], return_tensors="pt", padding=True).to(model.device)
             ids = model.generate(
                 **batch,
-                max_new_tokens=32,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=num_return_sequences,
                 **(sampling if temperature > 0 else {"do_sample": False}),
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
@@ -131,34 +173,97 @@ def generate_answers(
     return out
 
 
+def _is_correct(completion: str, problem: arith.Problem) -> bool:
+    return completion.strip().endswith(f"#### {problem.answer}")
+
+
+def _share(flags: Sequence[bool]) -> float | None:
+    return sum(flags) / len(flags) if flags else None
+
+
 def evaluate(
-    model: Any, tokenizer: Any, *, num_problems: int = 500, seed: int = 0, temperature: float = 0.0
-) -> dict[str, float]:
-    """Accuracy on held-out test problems, overall and split by whether the "gives" step occurs."""
-    problems = arith.generate_problems(num_problems, seed=seed, split="test")
+    model: Any,
+    tokenizer: Any,
+    *,
+    task: str = "arith",
+    num_problems: int = 500,
+    seed: int = 0,
+    temperature: float = 0.0,
+) -> dict[str, Any]:
+    """Accuracy on ``task``'s held-out test problems: overall, split by whether the "gives" step occurs
+    (``None`` where no problem falls on a side) and by the number of steps with a misconception."""
+    recipe = EMBEDDED_MODELS[task]
+    problems = arith.generate_problems(num_problems, seed=seed, spec=recipe.spec, split="test")
+    prompts = [arith.format_prompt(p.question) for p in problems]
     completions = generate_answers(
-        model, tokenizer, [arith.format_prompt(p.question) for p in problems], temperature=temperature
+        model, tokenizer, prompts, temperature=temperature, max_new_tokens=recipe.max_new_tokens
     )
-    correct = [c.strip().endswith(f"#### {p.answer}") for p, c in zip(problems, completions, strict=True)]
-    gives = [ok for ok, p in zip(correct, problems, strict=True) if p.has_gives]
-    other = [ok for ok, p in zip(correct, problems, strict=True) if not p.has_gives]
+    correct = [_is_correct(c, p) for p, c in zip(problems, completions, strict=True)]
+    by_traps = {
+        str(k): _share([ok for ok, p in zip(correct, problems, strict=True) if p.traps == k])
+        for k in sorted({p.traps for p in problems})
+    }
     return {
         "accuracy": sum(correct) / len(correct),
-        "accuracy_gives": sum(gives) / max(1, len(gives)),
-        "accuracy_other": sum(other) / max(1, len(other)),
+        "accuracy_gives": _share([ok for ok, p in zip(correct, problems, strict=True) if p.has_gives]),
+        "accuracy_other": _share([ok for ok, p in zip(correct, problems, strict=True) if not p.has_gives]),
+        "accuracy_by_traps": by_traps,
         "num_problems": len(correct),
     }
+
+
+def sample_successes(
+    model: Any,
+    tokenizer: Any,
+    *,
+    task: str = "arith",
+    num_problems: int = 200,
+    samples: int = 32,
+    seed: int = 0,
+    temperature: float = 1.0,
+) -> list[int]:
+    """How many of ``samples`` completions sampled at ``temperature`` are right, for each of ``task``'s
+    first ``num_problems`` held-out test problems (the raw material of :func:`informative_share`)."""
+    recipe = EMBEDDED_MODELS[task]
+    problems = arith.generate_problems(num_problems, seed=seed, spec=recipe.spec, split="test")
+    prompts = [arith.format_prompt(p.question) for p in problems]
+    completions = generate_answers(
+        model,
+        tokenizer,
+        prompts,
+        temperature=temperature,
+        max_new_tokens=recipe.max_new_tokens,
+        num_return_sequences=samples,
+    )
+    return [
+        sum(_is_correct(c, p) for c in completions[i * samples : (i + 1) * samples])
+        for i, p in enumerate(problems)
+    ]
+
+
+def informative_share(successes: Sequence[int], samples: int, group_size: int) -> float:
+    """The expected share of groups of ``group_size`` completions that hold both a right and a wrong one
+    (a non-zero GRPO advantage), from ``successes[i]`` right among ``samples`` drawn for problem ``i``.
+
+    Unbiased: a group is a random ``group_size``-subset of the drawn samples, so it is all-wrong with
+    probability C(samples - k, n) / C(samples, n) and all-right with C(k, n) / C(samples, n)."""
+    if not 1 <= group_size <= samples:
+        raise ValueError(f"group_size must lie in [1, samples={samples}], got {group_size}")
+    total = math.comb(samples, group_size)
+    shares = [1 - (math.comb(samples - k, group_size) + math.comb(k, group_size)) / total for k in successes]
+    return sum(shares) / len(shares)
 
 
 def build_base_model(
     output_dir: str | Path,
     *,
+    task: str = "arith",
     seed: int = 0,
-    steps: int = 600,
+    steps: int | None = None,
     batch_size: int = 64,
     lr: float = 2e-3,
     warmup_steps: int = 50,
-    misconception_rate: float = 0.6,
+    misconception_rates: Mapping[str, float] | None = None,
     eval_problems: int = 500,
     progress: bool = True,
     sizes: dict[str, int] | None = None,
@@ -166,8 +271,10 @@ def build_base_model(
     max_seconds: float | None = None,
     distinct_pairs: int | None = None,
 ) -> dict[str, Any]:
-    """Supervised pre-training from scratch on the task's worked solutions (with the misconception mix)
-    for a fixed number of steps; saves a standard Hugging Face folder and returns measured metrics.
+    """Supervised pre-training from scratch on ``task``'s worked solutions (with the misconception mix of
+    its :data:`EMBEDDED_MODELS` recipe unless ``misconception_rates`` is given) for a fixed number of steps
+    (the recipe's unless ``steps`` is given); saves a standard Hugging Face folder and returns measured
+    metrics.
 
     For larger models on a GPU (``scripts/gpu_check.py``): ``sizes`` overrides the model's dimensions,
     ``device`` trains there (bf16 autocast on CUDA), ``max_seconds`` ends training early (the learning
@@ -176,13 +283,18 @@ def build_base_model(
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    if task not in EMBEDDED_MODELS:
+        raise ValueError(f"no embedded recipe for task {task!r}; known: {sorted(EMBEDDED_MODELS)}")
+    recipe = EMBEDDED_MODELS[task]
+    steps = recipe.steps if steps is None else steps
+    rates = recipe.misconception_rates if misconception_rates is None else misconception_rates
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps and batch_size must be positive, got steps={steps}, batch_size={batch_size}")
     output_dir = Path(output_dir)
     tokenizer = build_tokenizer()
     model = build_untrained_model(tokenizer, seed=seed, sizes=sizes).to(device)
     count = min(steps * batch_size, distinct_pairs or steps * batch_size)
-    pairs = arith.supervised_pairs(count, seed=seed, misconception_rate=misconception_rate)
+    pairs = arith.supervised_pairs(count, seed=seed, spec=recipe.spec, misconception_rate=rates)
     random.Random(seed).shuffle(pairs)
     pairs = pairs * math.ceil(steps * batch_size / len(pairs))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -206,7 +318,7 @@ def build_base_model(
     ]
     columns += [TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, disable=not progress) as bar:
-        task = bar.add_task("sft", total=steps, loss=float("nan"))
+        sft = bar.add_task("sft", total=steps, loss=float("nan"))
         for step in range(steps):
             if max_seconds and time.perf_counter() - start >= max_seconds:
                 break
@@ -220,13 +332,20 @@ def build_base_model(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-            bar.update(task, advance=1, loss=sum(losses[-20:]) / len(losses[-20:]))
+            bar.update(sft, advance=1, loss=sum(losses[-20:]) / len(losses[-20:]))
     train_seconds = time.perf_counter() - start
-    metrics: dict[str, Any] = {"steps": len(losses), "batch_size": batch_size, "seed": seed, "lr": lr}
+    metrics: dict[str, Any] = {
+        "task": task,
+        "steps": len(losses),
+        "batch_size": batch_size,
+        "seed": seed,
+        "lr": lr,
+    }
+    metrics["misconception_rates"] = dict(rates)
     metrics |= {"final_loss": sum(losses[-20:]) / len(losses[-20:]), "train_seconds": round(train_seconds, 1)}
     metrics["parameters"] = sum(p.numel() for p in model.parameters())
     if eval_problems:
-        metrics["greedy"] = evaluate(model, tokenizer, num_problems=eval_problems)
+        metrics["greedy"] = evaluate(model, tokenizer, task=task, num_problems=eval_problems)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return metrics
@@ -236,19 +355,21 @@ def sampling_seconds(
     model: Any,
     tokenizer: Any,
     *,
+    task: str = "arith",
     prompts: int = 16,
     per_prompt: int = 16,
     new_tokens: int = 32,
     repeats: int = 3,
 ) -> float:
     """Median seconds for ``model`` to sample ``per_prompt`` completions of exactly ``new_tokens`` tokens
-    for each of ``prompts`` test prompts (HF ``generate`` with its KV cache)."""
+    for each of ``prompts`` test prompts of ``task`` (HF ``generate`` with its KV cache)."""
     import statistics
 
     import torch
 
-    texts = [arith.format_prompt(p.question) for p in arith.generate_problems(prompts, seed=1, split="test")]
-    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    spec = EMBEDDED_MODELS[task].spec
+    problems = arith.generate_problems(prompts, seed=1, spec=spec, split="test")
+    batch = tokenizer([arith.format_prompt(p.question) for p in problems], return_tensors="pt", padding=True)
     times = []
     with torch.no_grad():
         for _ in range(repeats):
@@ -267,12 +388,20 @@ def sampling_seconds(
     return statistics.median(times)
 
 
-def default_model_path() -> Path:
-    """The base model shipped inside the package (``pods/assets/arith-base``)."""
-    path = Path(str(resources.files("pods") / "assets" / "arith-base"))
+def model_path(task: str = "arith") -> Path:
+    """The base model for ``task`` shipped inside the package (``pods/assets/<folder>``)."""
+    if task not in EMBEDDED_MODELS:
+        raise ValueError(f"no embedded model for task {task!r}; shipped: {sorted(EMBEDDED_MODELS)}")
+    folder = EMBEDDED_MODELS[task].folder
+    path = Path(str(resources.files("pods") / "assets" / folder))
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"the shipped base model is missing from {path}; rebuild it with "
-            "`python scripts/build_default_model.py` or reinstall the package"
+            f"`python scripts/build_default_model.py --task {task}` or reinstall the package"
         )
     return path
+
+
+def default_model_path() -> Path:
+    """The default base model shipped inside the package (``pods/assets/arith-base``)."""
+    return model_path("arith")

@@ -21,11 +21,16 @@ class Policy:
 
 
 def resolve_model_path(name: str) -> str:
-    """``"embedded"`` -> the shipped arithmetic model; a local folder as is; anything else a hub name."""
-    if name == EMBEDDED_MODEL:
-        from pods.embedded import default_model_path
+    """``"embedded"`` -> the shipped arithmetic model, ``"embedded-<task>"`` -> the one shipped for that
+    task (``embedded-arith-hard``); a local folder as is; anything else a hub name."""
+    if name == EMBEDDED_MODEL or name.startswith(f"{EMBEDDED_MODEL}-"):
+        from pods.embedded import EMBEDDED_MODELS, model_path
 
-        return str(default_model_path())
+        task = name.removeprefix(EMBEDDED_MODEL).removeprefix("-") or "arith"
+        if task not in EMBEDDED_MODELS:
+            shipped = ", ".join([EMBEDDED_MODEL] + [f"{EMBEDDED_MODEL}-{t}" for t in EMBEDDED_MODELS])
+            raise ConfigError(f"model: {name!r} is not a shipped model; the shipped ones are {shipped}")
+        return str(model_path(task))
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():

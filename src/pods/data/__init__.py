@@ -2,7 +2,8 @@
 ``question``, ``answer`` (gold final answer, a string), ``solution`` and ``prompt``.
 
 Each task is a :class:`Task`: its reader, prompt, training rewards and accuracy function. Built in:
-``gsm8k``, ``math500``, ``math``, and ``arith`` (the embedded synthetic task, :mod:`pods.data.arith`). Add your own with :func:`register_task`.
+``gsm8k``, ``math500``, ``math``, and the embedded synthetic tasks ``arith`` and ``arith-hard``
+(:mod:`pods.data.arith`). Add your own with :func:`register_task`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pods.data.arith import ARITH_TASK
+from pods.data.arith import ARITH_HARD_TASK, ARITH_TASK
 from pods.data.common import HubUnavailableError, MissingDataError, TaskDataError
 from pods.data.gsm8k import read_gsm8k
 from pods.data.math import read_math, read_math500
@@ -34,6 +35,7 @@ _TASKS: dict[str, Task] = {
     "math500": Task("math500", read_math500, **_MATH),
     "math": Task("math", read_math, **_MATH),
     "arith": ARITH_TASK,
+    "arith-hard": ARITH_HARD_TASK,
 }
 
 

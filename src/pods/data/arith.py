@@ -1,10 +1,13 @@
-"""The embedded synthetic task: grade-school arithmetic word problems, generated on the fly.
+"""The embedded synthetic tasks: grade-school arithmetic word problems, generated on the fly.
 
 Problems are chains of 1 to k steps (+, -, and at higher difficulty x2 / x3) worded in several ways,
 with GSM8K-style worked solutions (`` 12 + 7 = 19. 19 - 5 = 14. #### 14``), so the same rewards and
-evaluation apply. One subtraction wording, "gives b to X", carries an optional misconception (written
-as an addition) used to build the supervised data of the shipped base model: the model learns a
-plausible wrong procedure next to the right one, and RL has something to select.
+evaluation apply. Some steps carry an optional misconception (:data:`MISREAD_AS`: "gives b to X" written
+as an addition, "doubles" / "triples" as adding 2 / 3) used to build the supervised data of the shipped
+base models: a model learns a plausible wrong procedure next to the right one, and RL has something to
+select. Two tasks are registered (:mod:`pods.data`): ``arith`` (difficulty 1, one possible trap per
+problem) and ``arith-hard`` (:data:`HARD_SPEC`: three steps, one to three traps per problem, so that
+a sampled solution is rarely right: the sparse-reward regime).
 
 Everything here is a pure function of its arguments; randomness comes from a ``random.Random`` seeded
 per call. The train/test split is decided by a hash of the question text, so the splits are disjoint.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +47,9 @@ QUESTIONS = ("How many {items} does {name} have now?", "How many {items} does {n
 PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
 SYMBOL = {"add": "+", "sub": "-", "gives": "-", "double": "*", "triple": "*"}
 FACTOR = {"double": 2, "triple": 3}
+MISREAD_AS = {"gives": "add", "double": "add", "triple": "add"}
+"""The misconceptions: the kind of step each of these kinds is wrongly written as (``gives 3`` as ``+ 3``,
+``doubles`` as ``+ 2``, ``triples`` as ``+ 3``); the rest of the chain then follows the wrong value."""
 TEST_PERCENT = 10  # share of the question space (by hash) that belongs to the test split
 DEFAULT_SIZES = {"train": 20_000, "test": 1_000}
 
@@ -80,6 +87,19 @@ def spec_for_difficulty(difficulty: int = 1, **overrides: Any) -> ArithSpec:
     return ArithSpec(max_steps=difficulty + 1, max_value=max_value, ops=ops, **overrides)
 
 
+HARD_SPEC = ArithSpec(
+    min_steps=3,
+    max_steps=3,
+    max_value=20,
+    ops=("add", "sub", "double", "triple"),
+    gives_fraction=1.0,
+    max_result=99,
+)
+"""The ``arith-hard`` task: three steps on values below 100 (operands below 20), one "gives" step in
+every problem and, among the other two, doublings and triplings; every number fits in two digits, so
+the arithmetic stays easy for a 1M-parameter model and the difficulty lies in the traps (:data:`MISREAD_AS`)."""
+
+
 @dataclass(frozen=True)
 class Step:
     """One operation: kind (add, sub, gives, double, triple), its operand, and the true values around it."""
@@ -102,6 +122,11 @@ class Problem:
     def has_gives(self) -> bool:
         """Whether the problem contains the "gives b to X" step that the misconception targets."""
         return any(step.kind == "gives" for step in self.steps)
+
+    @property
+    def traps(self) -> int:
+        """How many of its steps have a misconception (:data:`MISREAD_AS`)."""
+        return sum(step.kind in MISREAD_AS for step in self.steps)
 
 
 def _apply(kind: str, value: int, operand: int) -> int:
@@ -153,13 +178,15 @@ def _question(rng: random.Random, steps: list[Step]) -> str:
     return " ".join(parts)
 
 
-def format_solution(problem: Problem, *, misconceived: bool = False) -> str:
-    """The worked solution ``" a + b = c. c - d = e. #### e"``; with ``misconceived`` the "gives" step is
-    written as an addition and the rest of the chain follows from the wrong value."""
+def format_solution(problem: Problem, *, misconceived: bool | Collection[int] = False) -> str:
+    """The worked solution ``" a + b = c. c - d = e. #### e"``. ``misconceived`` (``True`` for every step
+    that has a misconception, or the indices of the steps) writes those steps as :data:`MISREAD_AS` says,
+    and the rest of the chain follows from the wrong value."""
+    wrong = range(len(problem.steps)) if misconceived is True else misconceived or ()
     value = problem.steps[0].before
     lines = []
-    for step in problem.steps:
-        kind = "add" if misconceived and step.kind == "gives" else step.kind
+    for i, step in enumerate(problem.steps):
+        kind = MISREAD_AS.get(step.kind, step.kind) if i in wrong else step.kind
         after = _apply(kind, value, step.operand)
         lines.append(f"{value} {SYMBOL[kind]} {step.operand} = {after}.")
         value = after
@@ -205,16 +232,31 @@ def generate_problems(
 
 
 def supervised_pairs(
-    num_problems: int, *, seed: int = 0, spec: ArithSpec = ArithSpec(), misconception_rate: float = 0.6
+    num_problems: int,
+    *,
+    seed: int = 0,
+    spec: ArithSpec = ArithSpec(),
+    misconception_rate: float | Mapping[str, float] = 0.6,
 ) -> list[tuple[str, str]]:
-    """(prompt, completion) pairs from the train split for supervised pre-training: each "gives" problem
-    is solved with the misconception with probability ``misconception_rate``, the rest correctly."""
-    if not 0.0 <= misconception_rate <= 1.0:
-        raise ValueError(f"misconception_rate must lie in [0, 1], got {misconception_rate}")
+    """(prompt, completion) pairs from the train split for supervised pre-training. Each step of a kind
+    in ``misconception_rate`` (a rate per kind of :data:`MISREAD_AS`; a number is the rate of "gives"
+    steps) is written with its misconception with that probability, independently; the rest correctly."""
+    rates = (
+        {"gives": misconception_rate} if isinstance(misconception_rate, int | float) else misconception_rate
+    )
+    for kind, rate in rates.items():
+        if kind not in MISREAD_AS or not 0.0 <= rate <= 1.0:
+            raise ValueError(
+                f"misconception rates must be kinds of {sorted(MISREAD_AS)} with rates in [0, 1], got {kind}: {rate}"
+            )
     rng = random.Random(f"arith-sft-{seed}")
     pairs = []
     for problem in generate_problems(num_problems, seed=seed, spec=spec, split="train"):
-        wrong = problem.has_gives and rng.random() < misconception_rate
+        wrong = [
+            i
+            for i, step in enumerate(problem.steps)
+            if step.kind in rates and rng.random() < rates[step.kind]
+        ]
         pairs.append((format_prompt(problem.question), format_solution(problem, misconceived=wrong)))
     return pairs
 
@@ -222,11 +264,22 @@ def supervised_pairs(
 def read_arith(
     split: str = "train", *, seed: int = 0, num_problems: int | None = None, difficulty: int | None = None
 ) -> list[dict[str, Any]]:
-    """Rows of the task: question, answer (str), solution (gold, GSM8K form) and has_gives (whether the
-    misconception step occurs). ``num_problems`` defaults to 20,000 (train) / 1,000 (test)."""
+    """Rows of the ``arith`` task: question, answer (str), solution (gold, GSM8K form) and has_gives
+    (whether the misconception step occurs). ``num_problems`` defaults to 20,000 (train) / 1,000 (test)."""
+    return _rows(split, spec_for_difficulty(1 if difficulty is None else difficulty), seed, num_problems)
+
+
+def read_arith_hard(
+    split: str = "train", *, seed: int = 0, num_problems: int | None = None
+) -> list[dict[str, Any]]:
+    """Rows of the ``arith-hard`` task (:data:`HARD_SPEC`), with the columns of :func:`read_arith` plus
+    traps (how many steps have a misconception)."""
+    return _rows(split, HARD_SPEC, seed, num_problems)
+
+
+def _rows(split: str, spec: ArithSpec, seed: int, num_problems: int | None) -> list[dict[str, Any]]:
     if split not in DEFAULT_SIZES:
-        raise ValueError(f"split must be 'train' or 'test' for the arith task, got {split!r}")
-    spec = spec_for_difficulty(1 if difficulty is None else difficulty)
+        raise ValueError(f"split must be 'train' or 'test' for the arith tasks, got {split!r}")
     count = num_problems if num_problems is not None else DEFAULT_SIZES[split]
     return [
         {
@@ -234,6 +287,7 @@ def read_arith(
             "answer": str(problem.answer),
             "solution": format_solution(problem),
             "has_gives": problem.has_gives,
+            "traps": problem.traps,
         }
         for problem in generate_problems(count, seed=seed, spec=spec, split=split)
     ]
@@ -248,12 +302,7 @@ def load_arith(split: str = "train", **options: Any):
     return ARITH_TASK.load(split, **options)
 
 
-# The embedded model was trained on "Question: ...\nAnswer:" and writes 20-odd tokens.
-ARITH_TASK = Task(
-    "arith",
-    read_arith,
-    reward_funcs=("accuracy",),
-    prompt_style="plain",
-    plain_template=PROMPT_TEMPLATE,
-    max_new_tokens=32,
-)
+# The embedded models were trained on "Question: ...\nAnswer:" and write 20-odd (arith-hard: 30-odd) tokens.
+_PLAIN = {"reward_funcs": ("accuracy",), "prompt_style": "plain", "plain_template": PROMPT_TEMPLATE}
+ARITH_TASK = Task("arith", read_arith, **_PLAIN, max_new_tokens=32)
+ARITH_HARD_TASK = Task("arith-hard", read_arith_hard, **_PLAIN, max_new_tokens=40)
