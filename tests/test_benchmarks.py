@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.xdist_group("benchmarks")  # one worker starts all the smoke runs (smoke_runs)
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py"))
 FIGURES = {  # a line of figures each script prints at --smoke size

@@ -324,6 +324,8 @@ def two_process_launch(model_dir: Path, output: Path, settings: dict) -> tuple[l
         "--multi_gpu",  # with ACCELERATE_USE_CPU: torchrun over 2 CPU processes, gloo backend
         "--num_processes",
         "2",
+        "--main_process_port",
+        "0",  # a free port: launches in parallel test workers must not share one
         "--num_machines",
         "1",
         "--mixed_precision",

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from test_trainer import two_process_launch
 from tiny_run import TINY_SETTINGS, count_of_a, tiny_dataset
 
+pytestmark = pytest.mark.xdist_group("vllm")  # one worker: the module shares one engine (`embedded`)
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
 PROMPTS = [
     "Tom has 5 apples. He gives 2 to Ann. How many apples does Tom have?",
