@@ -95,6 +95,19 @@ def test_mean_interval_is_students_t_and_reaches_beyond_the_seeds() -> None:
     assert single.value == 0.7 and math.isnan(single.low) and single.to_dict()["high"] is None
 
 
+def test_an_accuracy_interval_is_cut_to_the_possible_range_and_other_intervals_are_not() -> None:
+    """Seeds at 1.8% to 23% (an arm that only some seeds got moving): the t-interval reaches below 0,
+    which no accuracy can; cut to [0, 1]. A mean of log times has no such bound."""
+    seeds = [0.15, 0.062, 0.048, 0.23, 0.018]
+    free, cut = mean_interval(seeds), mean_interval(seeds, bounds=(0.0, 1.0))
+    assert free.low < 0 and cut.low == 0.0
+    assert (cut.value, cut.high) == (free.value, free.high)
+    high = mean_interval([0.99, 0.90], bounds=(0.0, 1.0))
+    assert high.high == 1.0 and high.low == mean_interval([0.99, 0.90]).low
+    logs = mean_interval([-0.5, 0.7])
+    assert logs.low < -1  # log speed-ups and log times are unbounded: nothing is cut
+
+
 def test_welch_interval_matches_a_reference() -> None:
     # Reference: scipy.stats.ttest_ind(first, second, equal_var=False).confidence_interval(), df = 4.0702.
     difference, low, high = welch_interval(np.array([1.0, 1.3, 0.9]), np.array([0.2, 0.5, 0.4, 0.1]))

@@ -100,7 +100,8 @@ def plot_sweep_curves(
         mean, fitted, band = mean_curve_band(runs, grid)
         label = f"{arm} ({len(runs)} seed{'s' if len(runs) != 1 else ''})"
         (line,) = axis.plot(grid, 100 * mean, "-", linewidth=1, label=label)
-        axis.fill_between(grid, 100 * (mean - band), 100 * (mean + band), alpha=0.15, color=line.get_color())
+        low, high = np.clip(mean - band, 0, 1), np.clip(mean + band, 0, 1)  # an accuracy lies in [0, 1]
+        axis.fill_between(grid, 100 * low, 100 * high, alpha=0.15, color=line.get_color())
         axis.plot(grid, 100 * fitted, "--", color=line.get_color(), linewidth=1.5)
         for seconds, accuracy in runs:  # every evaluation of every seed
             axis.plot(

@@ -92,9 +92,11 @@ class Estimate:
         return {key: _finite(getattr(self, key)) for key in ("value", "low", "high")}
 
 
-def mean_interval(values: Sequence[float]) -> Estimate:
+def mean_interval(values: Sequence[float], bounds: tuple[float, float] | None = None) -> Estimate:
     """Mean over seeds with Student's t-interval: mean +- t(0.975, n - 1) s / sqrt(n). Unlike a bootstrap
-    over seeds it reaches beyond the seeds' range, which it must to cover the mean with 2 or 3 seeds."""
+    over seeds it reaches beyond the seeds' range, which it must to cover the mean with 2 or 3 seeds.
+    ``bounds``: the range the mean can take (accuracies: (0, 1)); the interval is cut to it, which keeps
+    every mean it covered and so cannot lower its coverage."""
     data = np.asarray(values, dtype=float)
     if data.size == 0:
         return Estimate(float("nan"))
@@ -102,7 +104,10 @@ def mean_interval(values: Sequence[float]) -> Estimate:
     if data.size < 2:
         return Estimate(mean)
     half = _t_two_sided(data.size - 1) * float(data.std(ddof=1)) / math.sqrt(data.size)
-    return Estimate(mean, mean - half, mean + half)
+    low, high = mean - half, mean + half
+    if bounds is not None:
+        low, high = max(low, bounds[0]), min(high, bounds[1])
+    return Estimate(mean, low, high)
 
 
 def welch_interval(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

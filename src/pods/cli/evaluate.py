@@ -19,7 +19,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     evaluate.add_argument(
         "--model", required=True, help="model folder, hub name, 'embedded', checkpoint or run folder"
     )
-    evaluate.add_argument("--dataset", required=True, help="gsm8k, math500, math, arith, arith-hard (or a registered task)")
+    evaluate.add_argument(
+        "--dataset", required=True, help="gsm8k, math500, math, arith, arith-hard (or a registered task)"
+    )
     evaluate.add_argument("--source", help="hub name or local file/folder of the dataset (default: the hub)")
     evaluate.add_argument("--split", default="test")
     evaluate.add_argument(
