@@ -92,7 +92,7 @@ def plot_sweep_curves(
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from pods.stats import evaluation_times, mean_curve_band
+    from pods.stats import ACCURACY_RANGE, evaluation_times, mean_curve_band
 
     figure, axis = plt.subplots(figsize=(8, 5))
     for arm, runs in curves.items():
@@ -100,7 +100,7 @@ def plot_sweep_curves(
         mean, fitted, band = mean_curve_band(runs, grid)
         label = f"{arm} ({len(runs)} seed{'s' if len(runs) != 1 else ''})"
         (line,) = axis.plot(grid, 100 * mean, "-", linewidth=1, label=label)
-        low, high = np.clip(mean - band, 0, 1), np.clip(mean + band, 0, 1)  # an accuracy lies in [0, 1]
+        low, high = np.clip(mean - band, *ACCURACY_RANGE), np.clip(mean + band, *ACCURACY_RANGE)
         axis.fill_between(grid, 100 * low, 100 * high, alpha=0.15, color=line.get_color())
         axis.plot(grid, 100 * fitted, "--", color=line.get_color(), linewidth=1.5)
         for seconds, accuracy in runs:  # every evaluation of every seed

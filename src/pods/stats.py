@@ -29,6 +29,7 @@ CONFIDENCE = 0.95
 MAX_GRID_POINTS = 60
 PLATEAU_WINDOW = 1 / 3  # the plateau: the mean accuracy over the last third of the run
 PEAK_FRACTION = 0.99  # the paper's level: 99% of the baseline's peak (here: its plateau)
+ACCURACY_RANGE = (0.0, 1.0)  # every accuracy interval and band is cut to it
 GAIN_FRACTIONS = (0.5, 0.9)  # levels on the climb: the start plus 50% / 90% of the baseline's gain
 
 

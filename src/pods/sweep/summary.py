@@ -13,7 +13,14 @@ from typing import Any
 from pods.config import TrainConfig
 from pods.errors import ConfigError
 from pods.metrics import read_jsonl
-from pods.stats import accuracy_standard_error, compare_curves, curve_levels, mean_interval, time_to_level
+from pods.stats import (
+    ACCURACY_RANGE,
+    accuracy_standard_error,
+    compare_curves,
+    curve_levels,
+    mean_interval,
+    time_to_level,
+)
 from pods.sweep.plan import Arm, resolve_baselines
 
 
@@ -86,10 +93,10 @@ def summarise(
             "overrides": arm.overrides,
             "seeds": [r.seed for r in arm_runs],
             "start_accuracy": sum(r.accuracy[0] for r in arm_runs) / len(arm_runs),
-            "accuracy_at_budget": mean_interval(final, bounds=(0.0, 1.0)).to_dict(),
+            "accuracy_at_budget": mean_interval(final, bounds=ACCURACY_RANGE).to_dict(),
             "accuracy_at_budget_per_seed": final,
             "accuracy_at_budget_se_over_problems": (sum(s * s for s in se) ** 0.5) / len(se),
-            "best_accuracy": mean_interval(best, bounds=(0.0, 1.0)).to_dict(),
+            "best_accuracy": mean_interval(best, bounds=ACCURACY_RANGE).to_dict(),
             "best_accuracy_per_seed": best,
             "train_seconds": [r.seconds[-1] for r in arm_runs],
             "steps": [r.steps for r in arm_runs],
