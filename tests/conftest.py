@@ -15,8 +15,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # DeepSpeed compiles a C++ op the first time a process starts it on the CPU (minutes on 2 busy cores), into
 # TORCH_EXTENSIONS_DIR: ~/.cache by default, where another environment's DeepSpeed rebuilds it over ours, and
-# where a build killed half-way leaves a lock that makes every later start wait forever. Keep this
-# environment's own, built once, and drop a lock older than any build (the subprocesses inherit the setting).
+# where a build killed half-way leaves a lock that makes every later start wait forever. The test scripts
+# skip that op (pods.testing.use_torch_collectives_under_deepspeed); should anything build one anyway, keep
+# this environment's own and drop a lock older than any build (the subprocesses inherit the setting).
 EXTENSIONS = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")))
 for lock in EXTENSIONS.glob("*/lock"):
     if time.time() - lock.stat().st_mtime > 20 * 60:
@@ -53,3 +54,9 @@ def fresh_accelerate_state():
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests first (stable order otherwise): the two xdist workers then finish on short tests together,
+    instead of one waiting alone for a minute-long test handed out last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from pods.config import TrainConfig
 from pods.errors import ConfigError
@@ -45,12 +46,39 @@ def build_optimizer(
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> Any:
-    """transformers' schedule of that name; warm-up is a fraction of ``max_steps`` x ``num_iterations``
-    optimizer steps (``constant`` means constant after warm-up)."""
-    from transformers import get_scheduler
+def build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> LambdaLR:
+    """The learning-rate schedule: linear warm-up over ``warmup_ratio`` of the ``max_steps`` x
+    ``num_iterations`` optimizer steps, then constant, linear to 0 or half a cosine to 0 at the last step.
 
+    transformers' formulas (``get_scheduler``'s constant_with_warmup, linear and cosine) in a ``LambdaLR``
+    of the same state, so checkpoints of either resume with the other. Written out because importing
+    ``transformers.optimization`` imports peft and bitsandbytes: 2.4 s of every start on 2 CPU cores."""
     total = (config.max_steps or 1) * config.num_iterations
     warmup = math.ceil(config.warmup_ratio * total) if config.max_steps else 0
-    name = "constant_with_warmup" if config.lr_scheduler_type == "constant" else config.lr_scheduler_type
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    factor = _SCHEDULES[config.lr_scheduler_type]
+    return LambdaLR(optimizer, functools.partial(factor, warmup=warmup, total=total))
+
+
+def _warming_up(step: int, warmup: int) -> float | None:
+    return step / max(1, warmup) if step < warmup else None
+
+
+def _constant(step: int, *, warmup: int, total: int) -> float:
+    warming = _warming_up(step, warmup)
+    return 1.0 if warming is None else warming
+
+
+def _linear(step: int, *, warmup: int, total: int) -> float:
+    warming = _warming_up(step, warmup)
+    return max(0.0, (total - step) / max(1, total - warmup)) if warming is None else warming
+
+
+def _cosine(step: int, *, warmup: int, total: int) -> float:
+    warming = _warming_up(step, warmup)
+    if warming is not None:
+        return warming
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+_SCHEDULES = {"constant": _constant, "linear": _linear, "cosine": _cosine}

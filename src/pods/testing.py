@@ -74,3 +74,13 @@ def build_tiny_model(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def use_torch_collectives_under_deepspeed() -> None:
+    """Make DeepSpeed on the CPU use torch.distributed's collectives (its own path where its shared-memory
+    op cannot be built) instead of first probing a compiler for each of its ~30 C++ ops and compiling that
+    op: a minute on 2 busy cores in a fresh environment. For test processes, which check pods's step, not
+    DeepSpeed's kernels; call before DeepSpeed initialises its communication backend."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__ = {}  # read only to decide whether to build the shared-memory op

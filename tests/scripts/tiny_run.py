@@ -20,6 +20,7 @@ import torch
 from datasets import Dataset
 
 from pods.config import TrainConfig
+from pods.testing import use_torch_collectives_under_deepspeed
 from pods.trainer import PODSTrainer, TrainingStopped
 
 # A few-second run of the tiny test model: 2 prompts x n=4, m=2 kept, 8 new tokens, 2 steps, no eval.
@@ -116,6 +117,8 @@ def tiny_dataset(size: int = 64) -> Dataset:
 
 def main() -> None:
     model_dir, output_dir, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        use_torch_collectives_under_deepspeed()
     settings = {"model": model_dir, "output_dir": output_dir, **TINY_SETTINGS, **overrides}
     trainer = RecordingTrainer(
         TrainConfig.from_dict(settings),

@@ -32,7 +32,9 @@ def main() -> None:
     from pods.models import load_tokenizer
     from pods.rollout import HFGenerateEngine, SamplingParams
     from pods.rollout.vllm import VLLMEngine
+    from pods.testing import use_torch_collectives_under_deepspeed
 
+    use_torch_collectives_under_deepspeed()
     deepspeed.init_distributed(dist_backend="gloo")
     config = {
         "train_micro_batch_size_per_gpu": 1,
