@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import get_scheduler
@@ -25,7 +27,7 @@ def learning_rates(scheduler, steps: int) -> list[float]:
 
 @pytest.mark.parametrize("name", SCHEDULERS)
 @pytest.mark.parametrize(
-    ("max_steps", "num_iterations", "warmup_ratio"), [(10, 1, 0.0), (7, 2, 0.3), (5, 3, 0.5)]
+    ("max_steps", "num_iterations", "warmup_ratio"), [(10, 1, 0.0), (7, 2, 0.3), (5, 3, 0.5), (4, 1, 0.9)]
 )
 def test_every_schedule_equals_transformers_step_by_step(
     name: str, max_steps: int, num_iterations: int, warmup_ratio: float
@@ -34,7 +36,7 @@ def test_every_schedule_equals_transformers_step_by_step(
         lr_scheduler_type=name, max_steps=max_steps, num_iterations=num_iterations, warmup_ratio=warmup_ratio
     )
     total = max_steps * num_iterations
-    warmup = -(-int(warmup_ratio * 10) * total // 10)  # ceil(warmup_ratio * total) for these exact ratios
+    warmup = math.ceil(warmup_ratio * total)  # TrainingArguments.get_warmup_steps' rounding
     reference = get_scheduler(
         "constant_with_warmup" if name == "constant" else name,
         optimizer(),

@@ -55,28 +55,24 @@ def build_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> La
     ``transformers.optimization`` imports peft and bitsandbytes: 2.4 s of every start on 2 CPU cores."""
     total = (config.max_steps or 1) * config.num_iterations
     warmup = math.ceil(config.warmup_ratio * total) if config.max_steps else 0
-    factor = _SCHEDULES[config.lr_scheduler_type]
-    return LambdaLR(optimizer, functools.partial(factor, warmup=warmup, total=total))
+    decay = _SCHEDULES[config.lr_scheduler_type]
+    return LambdaLR(optimizer, functools.partial(_factor, decay=decay, warmup=warmup, total=total))
 
 
-def _warming_up(step: int, warmup: int) -> float | None:
-    return step / max(1, warmup) if step < warmup else None
+def _factor(step: int, *, decay, warmup: int, total: int) -> float:
+    """The learning rate's multiplier at ``step``: linear from 0 during warm-up, then ``decay``'s."""
+    return step / max(1, warmup) if step < warmup else decay(step, warmup, total)
 
 
-def _constant(step: int, *, warmup: int, total: int) -> float:
-    warming = _warming_up(step, warmup)
-    return 1.0 if warming is None else warming
+def _constant(step: int, warmup: int, total: int) -> float:
+    return 1.0
 
 
-def _linear(step: int, *, warmup: int, total: int) -> float:
-    warming = _warming_up(step, warmup)
-    return max(0.0, (total - step) / max(1, total - warmup)) if warming is None else warming
+def _linear(step: int, warmup: int, total: int) -> float:
+    return max(0.0, (total - step) / max(1, total - warmup))
 
 
-def _cosine(step: int, *, warmup: int, total: int) -> float:
-    warming = _warming_up(step, warmup)
-    if warming is not None:
-        return warming
+def _cosine(step: int, warmup: int, total: int) -> float:
     progress = (step - warmup) / max(1, total - warmup)
     return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 

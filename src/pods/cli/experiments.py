@@ -39,7 +39,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "  pods sweep --grid selection_rule=max_variance,random,max_reward "
         "--arm grpo:num_generations=4,selection_rule=all --baseline grpo\n"
         "  pods sweep --grid learning_rate=2e-5,5e-5,1e-4 --grid num_generations=4,16\n"
-        "Any configuration key can be overridden as --key value, as for pods train.",
+        "Any configuration key can be overridden as --key value, as for pods train. Evaluations run every\n"
+        "eval_every_seconds and at the times in eval_at_seconds (compare-embedded: 1, 2, 3, 4, 6, 8 s); for\n"
+        "evenly spaced ones only, give both: --eval_every_seconds 3 --eval_at_seconds null.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sweep.add_argument(
