@@ -29,6 +29,7 @@ def main() -> None:
     import deepspeed
     from transformers import AutoModelForCausalLM
 
+    from pods.distributed import close_process_group
     from pods.models import load_tokenizer
     from pods.rollout import HFGenerateEngine, SamplingParams
     from pods.rollout.vllm import VLLMEngine
@@ -79,6 +80,7 @@ def main() -> None:
         f"SAME {sampled.texts == reference.texts and torch.equal(sampled.completion_ids, reference.completion_ids)}"
     )
     vllm_engine.close()
+    close_process_group()
 
 
 if __name__ == "__main__":

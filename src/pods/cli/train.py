@@ -26,13 +26,16 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     config = load_train_config(args.config, overrides)  # first: a bad key fails before torch is imported
+    from pods.distributed import close_process_group
     from pods.plotting import plot_runs
     from pods.trainer import TrainingStopped, train
 
     quiet_libraries()
     try:
         result = train(config)
+        close_process_group()
     except TrainingStopped as stopped:
+        close_process_group()
         if is_main_process():
             print(
                 f"\npods train: stopped by {stopped.signal_name} after step {stopped.step}; "
