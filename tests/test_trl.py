@@ -552,11 +552,11 @@ def test_trainer_needs_a_pods_config(tiny_model_dir, prompts, tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["plain", "stages"])
-def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path, mode: str) -> None:
+def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path) -> None:
     """accelerate launch, 2 CPU processes (gloo). ``--cpu --num_processes 2`` starts ONE process in
-    accelerate 1.16, so we launch through torchrun (``--multi_gpu``) with CUDA hidden. ``stages``: with the
-    prompt filter and GRESO, every process refills the same number of rounds and trains on its own groups."""
+    accelerate 1.16, so we launch through torchrun (``--multi_gpu``) with CUDA hidden. Two modes in one launch:
+    plain, then with the prompt filter and GRESO (every process refills the same number of rounds and trains
+    on its own groups)."""
     script = REPO_ROOT / "tests" / "scripts" / "trl_two_process.py"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
@@ -571,7 +571,7 @@ def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path, mode: str) ->
         "0",
     ]
     result = subprocess.run(
-        [*command, str(script), str(tiny_model_dir), str(tmp_path), mode],
+        [*command, str(script), str(tiny_model_dir), str(tmp_path), "plain,stages"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -579,8 +579,10 @@ def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path, mode: str) ->
         cwd=REPO_ROOT,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "PODS-TWO-PROCESS-OK rank=0 checks=2" in result.stdout
-    assert "PODS-TWO-PROCESS-OK rank=1 checks=2" in result.stdout
+    for mode in ("plain", "stages"):
+        for rank in (0, 1):
+            line = f"PODS-TWO-PROCESS-OK rank={rank} mode={mode} checks=2"
+            assert line in result.stdout, result.stdout[-3000:]
 
 
 # --- the example -----------------------------------------------------------------------------------------

@@ -85,10 +85,12 @@ def load_policy(config: TrainConfig, device: torch.device | None = None) -> Poli
             from peft import AutoPeftModelForCausalLM
 
             model = AutoPeftModelForCausalLM.from_pretrained(name, is_trainable=True, **kwargs)
+            keep_4bit_compute_dtype(model)
             return Policy(model=model, tokenizer=tokenizer, is_lora=True)
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except OSError as error:
         raise ConfigError(f"model: could not load {name!r}: {_offline_hint(error)}") from None
+    keep_4bit_compute_dtype(model)
 
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -98,6 +100,18 @@ def load_policy(config: TrainConfig, device: torch.device | None = None) -> Poli
     if config.lora_r > 0:
         model = add_lora(model, config)
     return Policy(model=model, tokenizer=tokenizer, is_lora=config.lora_r > 0)
+
+
+def keep_4bit_compute_dtype(model: torch.nn.Module) -> None:
+    """Make every bitsandbytes 4-bit layer compute in its configured dtype in every forward.
+
+    On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight with bfloat16 scales and computes in
+    bfloat16 in eval-mode no-grad forwards only. The trainer's no-grad log-probs (the importance weights'
+    "before", the KL reference), HF ``generate`` and the engine's dequantized weights would then disagree
+    with the training forward by ~0.4% per weight (measured on such a CPU): one precision, the run's."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def add_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:

@@ -1,11 +1,12 @@
 """Two-process PODS-in-TRL check, run by tests/test_trl.py as:
-``accelerate launch --cpu --num_processes 2 tests/scripts/trl_two_process.py MODEL_DIR OUTPUT_DIR [stages]``.
+``accelerate launch --multi_gpu --num_processes 2 tests/scripts/trl_two_process.py MODEL_DIR OUTPUT_DIR MODES``,
+MODES being ``plain``, ``stages`` or ``plain,stages`` (one after the other in the same processes: one launch).
 
-Trains 2 steps and asserts, on every process and step, that each group of n inputs is one prompt (groups
-are process-local), that the processes hold different prompts, and that m of each n rows come back. With
-``stages``, the prompt filter and GRESO are on and half the prompts give all-equal rewards: both processes
-run the same number of generation rounds and each trains on its own groups that passed.
-Prints ``PODS-TWO-PROCESS-OK rank=R checks=K`` on success.
+Each mode trains 2 steps and asserts, on every process and step, that each group of n inputs is one prompt
+(groups are process-local), that the processes hold different prompts, and that m of each n rows come back.
+With ``stages``, the prompt filter and GRESO are on and half the prompts give all-equal rewards: both
+processes run the same number of generation rounds and each trains on its own groups that passed.
+Prints ``PODS-TWO-PROCESS-OK rank=R mode=MODE checks=K`` for each mode that passed.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from accelerate.utils import gather_object
 from datasets import Dataset
 
 from pods.advantages import group_advantages, zero_variance_groups
+from pods.distributed import close_process_group
 from pods.integrations.trl import PODSConfig, PODSTrainer
 from pods.prompt_filter import fill_groups
 from pods.selection import select
 
 SEEN: list[list[int]] = []  # this process's completions, in the order the reward function saw them
-STAGES = len(sys.argv) > 3 and sys.argv[3] == "stages"
+STAGES = False  # the mode being run: with the prompt filter and GRESO
 
 
 def score(ids: list[int], number: int) -> float:
@@ -80,7 +82,17 @@ class CheckedPODSTrainer(PODSTrainer):
         return batch
 
 
-def main(model_dir: str, output_dir: str) -> None:
+def main(model_dir: str, output_dir: str, modes: list[str]) -> None:
+    global STAGES
+    for mode in modes:
+        STAGES = mode == "stages"
+        rank, checks = train_two_steps(model_dir, f"{output_dir}/{mode}")
+        print(f"PODS-TWO-PROCESS-OK rank={rank} mode={mode} checks={checks}", flush=True)
+    close_process_group()
+
+
+def train_two_steps(model_dir: str, output_dir: str) -> tuple[int, int]:
+    """Two checked steps in the current mode; (this process's rank, checks passed)."""
     dataset = Dataset.from_list(
         [{"prompt": [{"role": "user", "content": f"Question {i}: 3 + {i}"}], "number": i} for i in range(32)]
     )
@@ -110,8 +122,8 @@ def main(model_dir: str, output_dir: str) -> None:
     assert trainer.state.global_step == 2 and trainer.checks == 2, (trainer.state.global_step, trainer.checks)
     assert any("pods/reward_kept" in log for log in trainer.state.log_history)
     assert not STAGES or max(trainer.rounds) > 1, f"no refill round ran: {trainer.rounds}"
-    print(f"PODS-TWO-PROCESS-OK rank={trainer.accelerator.process_index} checks={trainer.checks}", flush=True)
+    return trainer.accelerator.process_index, trainer.checks
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3].split(","))
