@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,12 @@ def test_evaluations_happen_at_the_scheduled_training_times_also_after_a_resume(
 ) -> None:
     at, every = [0.2, 0.5], 1.0
 
+    def slow_count_of_a(prompts: list[str], completions: list[str], **columns) -> list[float]:
+        """The reward, taking at least 0.05 s a step: 14 steps then span the whole schedule on any machine
+        (at ~0.035 s a step, this VM's tiny steps alone ended before the periodic time)."""
+        time.sleep(0.05)
+        return count_of_a(prompts, completions, **columns)
+
     def trainer(max_steps: int, **overrides) -> PODSTrainer:
         settings = {
             **TINY_SETTINGS, "model": str(tiny_model_dir), "output_dir": str(tmp_path), "max_steps": max_steps,
@@ -71,7 +78,7 @@ def test_evaluations_happen_at_the_scheduled_training_times_also_after_a_resume(
         }  # fmt: skip
         return PODSTrainer(
             TrainConfig.from_dict(settings),
-            reward_funcs=[count_of_a],
+            reward_funcs=[slow_count_of_a],
             train_dataset=tiny_dataset(),
             eval_dataset=tiny_dataset(4),
         )
