@@ -163,14 +163,12 @@ def qlora_check(model_dir: Path, args: argparse.Namespace, device: str, rows: di
     if importlib.util.find_spec("bitsandbytes") is None:
         print("\nQLoRA: skipped (bitsandbytes is not installed)", flush=True)
         return {"skipped": "bitsandbytes is not installed"}
-    vllm_reason = vllm_unavailable_reason() if args.qlora_engine == "auto" else None
-    engine = (
-        "vllm"
-        if args.qlora_engine == "vllm" or (args.qlora_engine == "auto" and vllm_reason is None)
-        else "hf"
-    )
-    if vllm_reason is not None:
-        print(f"\nQLoRA: HF generate, not vLLM ({vllm_reason})", flush=True)
+    engine = args.qlora_engine
+    if engine == "auto":
+        vllm_reason = vllm_unavailable_reason()
+        engine = "vllm" if vllm_reason is None else "hf"
+        if vllm_reason is not None:
+            print(f"\nQLoRA: HF generate, not vLLM ({vllm_reason})", flush=True)
     start = time.perf_counter()
     output_dir = args.out / "qlora"
     trainer = PODSTrainer(qlora_config(model_dir, args, device, output_dir, engine), **rows)
