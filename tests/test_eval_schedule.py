@@ -48,8 +48,9 @@ def test_the_schedule_is_checked_and_kept_sorted() -> None:
 def expected_evaluation_steps(
     metrics: list[dict], at: list[float], every: float, forced: set[int]
 ) -> list[int]:
-    """The steps after which the schedule evaluates, replayed from each step's training time: the start,
-    the first step reaching each due time, and the ``forced`` ones (the end of each part of the run)."""
+    """The steps after which the schedule evaluates, replayed from each step's logged training time (the
+    trainer's own clock, unrounded, so a step ending a hair past a due time replays on the same side): the
+    start, the first step reaching each due time, and the ``forced`` ones (the end of each part of the run)."""
     steps, last = [0], 0.0
     for row in metrics:
         due = next_evaluation_seconds(last, every, at)

@@ -446,7 +446,7 @@ class PODSTrainer:
         metrics: dict[str, Any] = {
             "step": state.step,
             "epoch": round(self.prompts.epoch(state.step), 4),
-            "train_seconds": round(state.train_seconds, 3),
+            "train_seconds": state.train_seconds,  # unrounded: the schedules compare against this exact clock
             "num_generations": rewards.shape[1],
             **reward_metrics(all_rewards, kept),
             "skipped_steps": state.skipped_steps,
@@ -516,7 +516,7 @@ class PODSTrainer:
             engine=self.engine,
         )
         state.last_eval_seconds = state.train_seconds
-        row = {"step": state.step, "train_seconds": round(state.train_seconds, 3), **result.to_dict()}
+        row = {"step": state.step, "train_seconds": state.train_seconds, **result.to_dict()}
         row["eval_seconds"] = row.pop("seconds")
         self.eval_log.append(row)
         if cfg.report_to:
