@@ -166,8 +166,10 @@ def qlora_check(model_dir: Path, args: argparse.Namespace, device: str, rows: di
     engine = args.qlora_engine
     if engine == "auto":
         vllm_reason = vllm_unavailable_reason()
-        engine = "vllm" if vllm_reason is None else "hf"
-        if vllm_reason is not None:
+        if vllm_reason is None:
+            engine = "vllm"
+        else:
+            engine = "hf"
             print(f"\nQLoRA: HF generate, not vLLM ({vllm_reason})", flush=True)
     start = time.perf_counter()
     output_dir = args.out / "qlora"
