@@ -25,6 +25,8 @@ ARM_KEYS = ("num_generations", "selection_rule", "seed", "output_dir", "resume_f
 
 def compare_arms(base: TrainConfig, names: list[str]) -> list[Arm]:
     """GRPO keeps all m it generates; the other arms generate 4m and keep m by their rule."""
+    if BASELINE not in names:
+        raise ConfigError("arms: the comparison is against GRPO, so include 'grpo'")
     m = base.num_generations_kept
     rules = {"grpo": "all", "pods": "max_variance", "random": "random", "max_reward": "max_reward"}
     arms = []
@@ -47,8 +49,6 @@ def run_comparison(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Train every arm for every seed and summarise against GRPO (see :func:`pods.sweep.run_sweep`)."""
-    if BASELINE not in arms:
-        raise ConfigError("arms: the comparison is against GRPO, so include 'grpo'")
     return run_sweep(
         base,
         compare_arms(base, arms),

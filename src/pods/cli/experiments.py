@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from pods.cli.common import load_train_config, option, quiet_libraries
 from pods.errors import ConfigError
@@ -67,44 +68,54 @@ def register(commands: argparse._SubParsersAction) -> None:
     sweep.set_defaults(handler=run_sweep_command)
 
 
-def run_sweep_command(args: argparse.Namespace, overrides: list[str]) -> int:
-    from pods.sweep import SWEEP_SETS, grid_arms, parse_arm, parse_grid, run_sweep
+def sweep_plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    """What ``pods sweep`` would train (run_sweep's arguments), every setting checked; trains nothing."""
+    from pods.sweep import SWEEP_SETS, check_plan, grid_arms, parse_arm, parse_grid
 
     grid = [parse_grid(spec) for spec in args.grid or []]
     arms = grid_arms(grid) if grid else []
     arms += [parse_arm(spec) for spec in args.arm or []]
     if not arms:
-        raise SystemExit("pods sweep: error: give --grid KEY=V1,V2,... and/or --arm NAME:KEY=VALUE,...")
+        raise ConfigError("give --grid KEY=V1,V2,... and/or --arm NAME:KEY=VALUE,...")
     per_arm = {key for arm in arms for key in arm.overrides} | set(SWEEP_SETS) | {"eval_at_start"}
     _reject_per_arm_keys(overrides, tuple(per_arm), "pods sweep", "put the values in --grid or --arm")
     config = load_train_config(args.config or "compare-embedded", overrides)
-    quiet_libraries()
-    output = _experiment_folder(args, "sweep")
-    summary = run_sweep(
-        config,
-        arms,
-        _seeds(args.seeds),
-        output,
-        baseline=args.baseline,
-        target=args.target,
-        swept_keys=[key for key, _ in grid],
-        resume_command=_resume_command(args, output),
-    )
-    return _report(summary, output)
+    seeds, output = _seeds(args.seeds), _experiment_folder(args, "sweep")
+    check_plan(config, arms, seeds, output, args.baseline)
+    swept_keys = [key for key, _ in grid]
+    return dict(base=config, arms=arms, seeds=seeds, output_dir=output, baseline=args.baseline,
+                target=args.target, swept_keys=swept_keys)  # fmt: skip
 
 
-def run_compare(args: argparse.Namespace, overrides: list[str]) -> int:
-    from pods.compare import ARM_KEYS, run_comparison
+def compare_plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    """What ``pods compare`` would train (run_sweep's arguments), every setting checked; trains nothing."""
+    from pods.compare import ARM_KEYS, BASELINE, compare_arms
+    from pods.sweep import check_plan
 
     _reject_per_arm_keys(overrides, ARM_KEYS, "pods compare", "choose --arms")
     config = load_train_config(args.config or "compare-embedded", overrides)
+    arms = compare_arms(config, [arm.strip() for arm in args.arms.split(",") if arm.strip()])
+    seeds, output = _seeds(args.seeds), _experiment_folder(args, "compare")
+    check_plan(config, arms, seeds, output, BASELINE)
+    return dict(base=config, arms=arms, seeds=seeds, output_dir=output, baseline=BASELINE)
+
+
+def run_sweep_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    from pods.sweep import run_sweep
+
+    plan = sweep_plan(args, overrides)
     quiet_libraries()
-    output = _experiment_folder(args, "compare")
-    arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
-    summary = run_comparison(
-        config, output, arms, _seeds(args.seeds), resume_command=_resume_command(args, output)
-    )
-    return _report(summary, output)
+    summary = run_sweep(**plan, resume_command=_resume_command(args, plan["output_dir"]))
+    return _report(summary, plan["output_dir"])
+
+
+def run_compare(args: argparse.Namespace, overrides: list[str]) -> int:
+    from pods.sweep import run_sweep
+
+    plan = compare_plan(args, overrides)
+    quiet_libraries()
+    summary = run_sweep(**plan, resume_command=_resume_command(args, plan["output_dir"]))
+    return _report(summary, plan["output_dir"])
 
 
 def _reject_per_arm_keys(overrides: list[str], keys: tuple[str, ...], command: str, hint: str) -> None:

@@ -112,3 +112,21 @@ def arm_config(base: TrainConfig, arm: Arm, seed: int, run_dir: Path, resume: bo
         return TrainConfig.from_dict(values)
     except ConfigError as error:
         raise ConfigError(f"arm {arm.name!r}: {error}") from None
+
+
+def check_plan(
+    base: TrainConfig, arms: Sequence[Arm], seeds: Sequence[int], output_dir: Path, baseline: str | None
+) -> str:
+    """Every check a sweep makes before hours of training (distinct arm names, a baseline that names arms,
+    every arm's configuration for every seed); returns the baseline. Trains and writes nothing."""
+    names = [arm.name for arm in arms]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"arms: names must be distinct, got {names}")
+    if not arms or not seeds:
+        raise ConfigError("a sweep needs at least one arm and one seed")
+    baseline = baseline or arms[0].name
+    resolve_baselines(arms, baseline)
+    for arm in arms:
+        for seed in seeds:
+            arm_config(base, arm, seed, output_dir / arm.folder / f"seed{seed}", resume=False)
+    return baseline

@@ -12,7 +12,7 @@ from typing import Any
 from pods.config import TrainConfig
 from pods.errors import ConfigError
 from pods.interrupts import TrainingStopped
-from pods.sweep.plan import Arm, arm_config, resolve_baselines
+from pods.sweep.plan import Arm, arm_config, check_plan
 from pods.sweep.summary import SeedRun, budget_text, load_seed_run, summarise_and_write
 
 IGNORED_WHEN_MATCHING = ("output_dir", "resume_from", "progress")
@@ -49,16 +49,7 @@ def run_sweep(
     """
     from pods.trainer import PODSTrainer
 
-    names = [arm.name for arm in arms]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"arms: names must be distinct, got {names}")
-    if not arms or not seeds:
-        raise ConfigError("a sweep needs at least one arm and one seed")
-    baseline = baseline or arms[0].name
-    resolve_baselines(arms, baseline)  # a baseline that names no arm fails here, before any training
-    for arm in arms:  # check every arm's settings before hours of training
-        for seed in seeds:
-            arm_config(base, arm, seed, output_dir / arm.folder / f"seed{seed}", resume=False)
+    baseline = check_plan(base, arms, seeds, output_dir, baseline)  # before any training
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "sweep.json").write_text(
         json.dumps(
