@@ -21,6 +21,7 @@ from pods.stats import (
     isotonic,
     mean_interval,
     plateau,
+    still_climbing,
     t_quantile,
     time_to_level,
     welch_interval,
@@ -133,6 +134,21 @@ def test_plateau_is_unbiased_on_a_flat_curve_unlike_the_smoothed_maximum() -> No
     seconds = np.arange(0.0, 121.0, 5.0)
     climbing = 0.3 + 0.004 * seconds  # still climbing at the end: the mean of the last 40 s, 80-120 s
     assert plateau([(seconds, climbing)]) == pytest.approx(0.3 + 0.004 * 100)
+
+
+def test_a_baseline_still_climbing_at_its_end_is_told_from_one_on_its_plateau() -> None:
+    rng = np.random.default_rng(1)
+    seconds = np.arange(0.0, 121.0, 5.0)
+    ramp = 0.3 + 0.004 * seconds  # ends at 78%, its "plateau" (80-120 s) 70%: 17% of its gain below the end
+    assert still_climbing([(seconds, ramp)])
+    flat = np.mean([still_climbing(flat_runs(rng, 0.77, seeds=5)) for _ in range(400)])
+    assert flat < 0.05  # on a flat curve the seeds' end passes the plateau by noise at most 2.5% of the time
+    risen = np.minimum(0.01 + 0.03 * seconds, 0.9)  # 1% -> 90% by 30 s, then flat: a plateau
+    noisy = [(seconds, rng.binomial(500, risen) / 500) for _ in range(5)]
+    assert not still_climbing(noisy)
+    late = np.clip(0.01 + 0.03 * (seconds - 60), 0.01, 0.9)  # flat until 60 s, at 90% only at 90 s
+    assert still_climbing([(seconds, rng.binomial(500, late) / 500) for _ in range(5)])
+    assert not still_climbing([(seconds, 0.9 - 0.004 * seconds)])  # a falling curve has no gain to climb
 
 
 def test_levels_come_from_the_baseline_plateau_and_start() -> None:

@@ -132,6 +132,13 @@ def test_summary_of_known_curves() -> None:
     assert fast["seconds_to_target"]["value"] == pytest.approx(10 * 0.394 / 0.4)  # 20% -> 60% in 10 s
     text = format_summary(summary)
     assert "fast vs slow" in text and "to 40.0% (50% of the gain) 2.3" in text and "faster" in text
+    assert summary["baselines_still_climbing"] == {}  # slow is flat from 20 s
+    assert "still climbing" not in text
+
+    late = [run("late", seed, [0.2, 0.2, 0.25, 0.4, 0.6]) for seed in range(3)]  # at 60% only at its end
+    summary = summarise(late + runs[3:], [Arm("late", {}), Arm("fast", {})], baseline="late")
+    assert summary["baselines_still_climbing"] == {"late": pytest.approx(0.5)}  # its mean at 30 and 40 s
+    assert "the baseline late is still climbing at the end of its budget" in format_summary(summary)
 
 
 def test_a_baseline_naming_one_key_compares_each_arm_within_its_row_of_the_grid() -> None:

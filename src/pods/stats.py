@@ -31,6 +31,7 @@ PLATEAU_WINDOW = 1 / 3  # the plateau: the mean accuracy over the last third of 
 PEAK_FRACTION = 0.99  # the paper's level: 99% of the baseline's peak (here: its plateau)
 ACCURACY_RANGE = (0.0, 1.0)  # every accuracy interval and band is cut to it
 GAIN_FRACTIONS = (0.5, 0.9)  # levels on the climb: the start plus 50% / 90% of the baseline's gain
+STILL_CLIMBING = 0.05  # a baseline ending above its plateau by more than this share of its gain is climbing
 
 
 # ---------------------------------------------------------------------------------------------- basics
@@ -227,6 +228,20 @@ def plateau(runs: Sequence[Run], window: float = PLATEAU_WINDOW) -> float:
     grid = common_grid([runs])
     mean = on_grid(runs, grid).mean(axis=0)
     return float(mean[grid >= grid[-1] - window * (grid[-1] - grid[0]) - 1e-9].mean())
+
+
+def still_climbing(
+    runs: Sequence[Run], window: float = PLATEAU_WINDOW, tolerance: float = STILL_CLIMBING
+) -> bool:
+    """Whether the arm ends above its plateau by more than ``tolerance`` of its gain (end - start) and, with
+    two seeds or more, by more than noise (the plateau lies below the 95% interval of the seeds' final
+    accuracies): its last ``window`` is then a climb, and levels read from it sit below where it ends."""
+    grid = common_grid([runs])
+    curves = on_grid(runs, grid)
+    mean = curves.mean(axis=0)
+    top, end = plateau(runs, window), mean_interval(curves[:, -1])
+    beyond_noise = math.isnan(end.low) or top < end.low  # one seed: no interval, the tolerance alone
+    return bool(mean[-1] - mean[0] > 0 and mean[-1] - top > tolerance * (mean[-1] - mean[0]) and beyond_noise)
 
 
 def curve_levels(

@@ -19,6 +19,8 @@ from pods.stats import (
     compare_curves,
     curve_levels,
     mean_interval,
+    plateau,
+    still_climbing,
     time_to_level,
 )
 from pods.sweep.plan import Arm, resolve_baselines
@@ -118,6 +120,11 @@ def summarise(
                 row[key] = {name: value.to_dict() for name, value in found.items()}
         summary["arms"][arm.name] = row
     summary["auto_vs_best_fixed"] = auto_against_best_fixed(summary["arms"])
+    summary["baselines_still_climbing"] = {
+        name: plateau(_curves(by_arm[name]))
+        for name in sorted(levels)
+        if still_climbing(_curves(by_arm[name]))
+    }
     return summary
 
 
@@ -266,6 +273,13 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(
             f"\n{item['auto']} against the best fixed n ({item['best_fixed']}, {_pct_ci(best)} at the budget): "
             f"{_pct(item['auto_accuracy'])}, {verdict}"
+        )
+    for name, top in summary.get("baselines_still_climbing", {}).items():
+        end = summary["arms"][name]["accuracy_at_budget"]["value"]
+        lines.append(
+            f"\nNote: the baseline {name} is still climbing at the end of its budget: its plateau (its mean over "
+            f"the last third of the run, {_pct(top)}) is below where it ends ({_pct(end)}), so the levels below "
+            "are read on its climb, not at its peak; a longer budget would give the paper's level its meaning."
         )
     for arm, row in summary["arms"].items():
         if "speedup" not in row:
