@@ -176,6 +176,9 @@ def test_train_eval_and_plot(
         "--limit", "6", "--max-new-tokens", "8", "--protocol", "sampled", "--samples", "2", "--output", str(report),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()  # piped: no progress bar, so no empty line it would leave behind
+    engine_line = next(i for i, line in enumerate(lines) if line.startswith("rollout engine:"))
+    assert lines[engine_line + 1].startswith("gsm8k test (6 problems, sampled"), result.stdout
     values = json.loads(report.read_text())
     assert (
         values["num_problems"] == 6 and values["samples_per_problem"] == 2 and values["protocol"] == "sampled"

@@ -120,7 +120,10 @@ def evaluate(
 
 
 def _maybe_progress(items: range, enabled: bool, description: str):
-    if not enabled:
+    """A transient progress bar on a terminal; nothing in a log or a pipe (where rich would leave an empty line)."""
+    from rich.console import Console
+
+    if not enabled or not Console().is_terminal:
         return items
     from rich.progress import track
 
