@@ -225,6 +225,26 @@ def test_sweep_writes_everything_and_reuses_finished_runs(tiny_sweep_config: Pat
     assert changed.returncode == 2 and "trained with other settings" in changed.stderr
     assert "learning_rate" in changed.stderr and "Traceback" not in changed.stderr
 
+    # another experiment reuses the finished runs of this one that have its settings, whatever their arm's name
+    other = tmp_path / "other"
+    extended = run_pods("sweep", "--config", str(tiny_sweep_config), "--arm", "two:num_generations=2", "--arm",
+                        "three:num_generations=3", "--seeds", "1", "--output_dir", str(other),
+                        "--reuse_from", str(output))  # fmt: skip
+    assert extended.returncode == 0, extended.stderr[-3000:]
+    assert (
+        extended.stdout.count("reused") == 1
+        and "1/2] two, seed 1: the same settings finished in" in extended.stdout
+    )
+    assert (other / "two" / "seed1").resolve() == (output / "num_generations=2" / "seed1").resolve()
+    assert (other / "three" / "seed1" / "done.json").is_file()  # no run of n = 3 to reuse: trained
+    first, second = (json.loads((folder / "summary.json").read_text())["arms"] for folder in (output, other))
+    assert (
+        second["two"]["accuracy_at_budget_per_seed"]
+        == first["num_generations=2"]["accuracy_at_budget_per_seed"][1:]
+    )
+    missing = run_pods(*args, "--reuse_from", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "--reuse_from" in missing.stderr and "no such folder" in missing.stderr
+
 
 @pytest.mark.slow
 def test_an_interrupted_sweep_continues_where_it_stopped(tiny_sweep_config: Path, tmp_path: Path) -> None:

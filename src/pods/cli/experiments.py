@@ -84,7 +84,7 @@ def sweep_plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
     check_plan(config, arms, seeds, output, args.baseline)
     swept_keys = [key for key, _ in grid]
     return dict(base=config, arms=arms, seeds=seeds, output_dir=output, baseline=args.baseline,
-                target=args.target, swept_keys=swept_keys)  # fmt: skip
+                target=args.target, swept_keys=swept_keys, reuse_from=_reuse_from(args))  # fmt: skip
 
 
 def compare_plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
@@ -97,7 +97,14 @@ def compare_plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, An
     arms = compare_arms(config, [arm.strip() for arm in args.arms.split(",") if arm.strip()])
     seeds, output = _seeds(args.seeds), _experiment_folder(args, "compare")
     check_plan(config, arms, seeds, output, BASELINE)
-    return dict(base=config, arms=arms, seeds=seeds, output_dir=output, baseline=BASELINE)
+    return dict(
+        base=config,
+        arms=arms,
+        seeds=seeds,
+        output_dir=output,
+        baseline=BASELINE,
+        reuse_from=_reuse_from(args),
+    )
 
 
 def run_sweep_command(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -141,6 +148,16 @@ def _seeds(text: str) -> list[int]:
         raise ConfigError(f"--seeds {text!r}: give comma-separated integers, e.g. --seeds 0,1,2") from None
 
 
+def _reuse_from(args: argparse.Namespace) -> list[Path]:
+    folders = [Path(folder) for folder in args.reuse_from or []]
+    for folder in folders:
+        if not folder.is_dir():
+            raise ConfigError(
+                f"--reuse_from {folder}: no such folder; name the output folder of an earlier sweep or compare"
+            )
+    return folders
+
+
 def _resume_command(args: argparse.Namespace, output: Path) -> str:
     """The command that continues this experiment: the same arguments, with its output folder named."""
     import shlex
@@ -169,4 +186,12 @@ def _add_experiment_options(parser: argparse.ArgumentParser, seeds: str) -> None
         "--output_dir",
         "--output-dir",
         help="experiment folder (default: runs/<kind>-<time>); re-run with the same folder to continue",
+    )
+    option(
+        parser,
+        "reuse_from",
+        action="append",
+        metavar="FOLDER",
+        help="an earlier sweep's or compare's folder (repeatable): a run with the same settings and seed "
+        "finished there is linked into this experiment instead of trained again",
     )

@@ -37,6 +37,7 @@ def run_sweep(
     swept_keys: Sequence[str] = (),
     resume_command: str | None = None,
     trainer_kwargs: dict[str, Any] | None = None,
+    reuse_from: Sequence[Path] = (),
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Train every arm for every seed (one after the other, so each has the whole machine) and summarise.
@@ -44,7 +45,9 @@ def run_sweep(
     ``trainer_kwargs`` go to every :class:`pods.trainer.PODSTrainer` (your own ``reward_funcs``,
     ``train_dataset``, ``eval_dataset``).
 
-    Finished runs (``done.json``) are reused when their settings match; an unfinished one is resumed.
+    Finished runs (``done.json``) are reused when their settings match; an unfinished one is resumed. A run
+    not yet started here is linked to a finished run of other experiment folders (``reuse_from``) trained
+    with the same settings and seed, if there is one, instead of being trained again.
     Raises :class:`SweepInterrupted` (after writing the summary of what finished) when a run is stopped.
     """
     from pods.trainer import PODSTrainer
@@ -73,6 +76,17 @@ def run_sweep(
             _check_same_settings(run_dir, arm_config(base, arm, seed, run_dir, resume=False))
             runs.append(load_seed_run(arm.name, seed, run_dir))
             log(f"{prefix}: already finished, reused ({run_dir})")
+            continue
+        found = (
+            None
+            if run_dir.exists()
+            else find_finished_run(reuse_from, seed, arm_config(base, arm, seed, run_dir, False))
+        )
+        if found is not None:
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            run_dir.symlink_to(found.resolve(), target_is_directory=True)
+            runs.append(load_seed_run(arm.name, seed, run_dir))
+            log(f"{prefix}: the same settings finished in {found}, reused (linked as {run_dir})")
             continue
         resume = _prepare_run_dir(run_dir)
         config = arm_config(base, arm, seed, run_dir, resume)
@@ -115,21 +129,36 @@ def _prepare_run_dir(run_dir: Path) -> bool:
     return False
 
 
-def _check_same_settings(run_dir: Path, wanted: TrainConfig) -> None:
-    """A reused run must have been trained with the settings asked for now."""
+def find_finished_run(folders: Sequence[Path], seed: int, wanted: TrainConfig) -> Path | None:
+    """A finished run (``done.json``) of ``seed`` in one of the experiment ``folders`` (any arm's folder),
+    trained with the settings ``wanted``; the first found, folders in the order given."""
+    for folder in folders:
+        for done in sorted(folder.glob(f"*/seed{seed}/done.json")):
+            if _setting_differences(done.parent, wanted) == []:
+                return done.parent
+    return None
+
+
+def _setting_differences(run_dir: Path, wanted: TrainConfig) -> list[str] | None:
+    """How the run's saved settings (``config.yaml``) differ from ``wanted``; None when it saved none."""
     import yaml
 
     path = run_dir / "config.yaml"
     if not path.is_file():
-        return
+        return None
     saved = yaml.safe_load(path.read_text()) or {}
-    differ = [
+    return [
         f"{key}: {saved.get(key)!r} then, {value!r} now"
         for key, value in wanted.to_dict().items()
         if key not in IGNORED_WHEN_MATCHING
         and saved.get(key) != value
         and not (key == "rollout_engine" and value == "auto")  # config.yaml holds what auto chose
     ]
+
+
+def _check_same_settings(run_dir: Path, wanted: TrainConfig) -> None:
+    """A reused run must have been trained with the settings asked for now."""
+    differ = _setting_differences(run_dir, wanted)
     if differ:
         raise ConfigError(
             f"{run_dir} was trained with other settings ({'; '.join(differ[:4])}); "
