@@ -77,11 +77,8 @@ def run_sweep(
             runs.append(load_seed_run(arm.name, seed, run_dir))
             log(f"{prefix}: already finished, reused ({run_dir})")
             continue
-        found = (
-            None
-            if run_dir.exists()
-            else find_finished_run(reuse_from, seed, arm_config(base, arm, seed, run_dir, False))
-        )
+        wanted = arm_config(base, arm, seed, run_dir, resume=False)
+        found = None if run_dir.exists() else find_finished_run(reuse_from, seed, wanted)
         if found is not None:
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             run_dir.symlink_to(found.resolve(), target_is_directory=True)
