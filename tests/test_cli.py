@@ -165,6 +165,7 @@ def test_train_eval_and_plot(
     result = run_pods("train", "--config", str(tiny_run_config), "--output_dir", str(run_dir), "--seed", "3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Held-out accuracy (greedy, 8 problems of gsm8k)" in result.stdout
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]  # none at exit either
     for name in ("config.yaml", "metrics.jsonl", "eval.jsonl", "training.png"):
         assert (run_dir / name).is_file(), name
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["seed"] == 3

@@ -377,6 +377,7 @@ def test_two_processes_each_run_an_engine_in_sync_with_the_shared_weights(
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["rollout_engine"] == "vllm"
     for notice in ("NUMA binding", "Disabling Triton"):  # vLLM's start-up chatter stays out of the output
         assert notice not in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]  # none at exit either (engine, then group)
     lines = sorted(line.split(" ", 4) for line in result.stdout.splitlines() if line.startswith("RESULT"))
     assert [line[1] for line in lines] == ["0", "1"] and lines[0][2] == lines[1][2] == "3"
     rank0, rank1 = (torch.load(tmp_path / f"weights-rank{rank}.pt") for rank in (0, 1))

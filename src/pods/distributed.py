@@ -32,7 +32,11 @@ def close_process_group() -> None:
     """Destroy the default process group, if one is up, once every process is done with it. A group left
     alive can abort the interpreter at exit after a finished run ("terminate called without an active
     exception", seen with gloo on 2 CPU processes); torch asks programs to destroy it. Not on a crash: with
-    NCCL, destroying a group that a failed collective still holds can hang."""
+    NCCL, destroying a group that a failed collective still holds can hang. A vLLM engine built on the
+    group is closed first (its exit hook would fail on the destroyed group)."""
+    from pods.rollout.vllm import close_live_engine
+
+    close_live_engine()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

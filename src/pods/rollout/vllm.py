@@ -343,6 +343,15 @@ class VLLMEngine:
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
+def close_live_engine() -> None:
+    """Close this process's vLLM engine, if one is alive (there is at most one): before the process group is
+    destroyed, since vLLM's own exit hook tears down its groups and fails, with a traceback, on a group
+    already gone."""
+    engine = _live_engine() if _live_engine is not None else None
+    if engine is not None:
+        engine.close()
+
+
 def _sampled_logprobs(completion) -> list[float] | None:
     """The log-prob of each sampled token (vLLM returns it first among the requested top-k)."""
     if completion.logprobs is None:
