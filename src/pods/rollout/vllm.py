@@ -174,9 +174,7 @@ class VLLMEngine:
         self._weights_asleep = False
 
         global _live_engine
-        previous = _live_engine() if _live_engine is not None else None
-        if previous is not None:
-            previous.close()
+        close_live_engine()  # one engine per process: building another closes the previous one
         vllm = _import_vllm()
         self._vllm = vllm
         self._folder = tempfile.mkdtemp(prefix="pods-vllm-")  # the model's config and tokenizer, for vLLM
