@@ -1,16 +1,25 @@
-"""The prompt-level stages as pure functions: the group filter with bounded refill (DAPO), skipping prompts
-before rollout (GRESO), the refill candidates of the prompt stream, and joining rounds of rollouts."""
+"""The prompt-level stages as pure functions: the group filter with rounds sized to need (DAPO), skipping prompts
+before rollout (GRESO), the prompt stream's draws, and joining rounds of rollouts."""
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
 import torch
 
 from pods.data.stream import PromptStream
-from pods.prompt_filter import SampledGroups, fill_groups, passing_groups
+from pods.errors import PromptFilterExhausted
+from pods.prompt_filter import (
+    MAX_ROUND_FACTOR,
+    PassShare,
+    SampledGroups,
+    fill_groups,
+    first_round_prompts,
+    next_round_size,
+    passing_groups,
+    refill_prompts,
+)
 from pods.prompt_skip import (
     FAILED,
     INFORMATIVE,
@@ -21,7 +30,8 @@ from pods.prompt_skip import (
     group_outcomes,
     keep_probabilities,
     record_outcomes,
-    skip_prompts,
+    round_prompts,
+    skip_candidates,
 )
 from pods.rollout.base import Rollouts, concat_rollouts
 
@@ -49,15 +59,69 @@ def test_nonzero_std_ignores_rounding_but_not_a_real_spread() -> None:
         passing_groups(rewards, "mean")
 
 
-def test_fill_groups_takes_passing_groups_first_then_fills_in_order() -> None:
+def test_fill_groups_takes_passing_groups_first_then_ends_as_told() -> None:
     passed = torch.tensor([False, True, False, True, True, False])
-    assert fill_groups(passed, 2).tolist() == [1, 3]
-    assert fill_groups(passed, 3).tolist() == [1, 3, 4]
-    assert fill_groups(passed, 4).tolist() == [0, 1, 3, 4]  # bound hit: the first that did not pass fills
-    assert fill_groups(passed, 6).tolist() == list(range(6))
-    assert fill_groups(torch.zeros(4, dtype=torch.bool), 2).tolist() == [0, 1]
-    with pytest.raises(ValueError, match="cannot train on 7 groups out of 6"):
-        fill_groups(passed, 7)
+    taken = lambda wanted, mode="pad": fill_groups(passed, wanted, mode)  # noqa: E731
+    assert taken(2).positions.tolist() == [1, 3] and taken(2).trained.all()
+    assert taken(3).positions.tolist() == [1, 3, 4]
+    assert (
+        taken(4).positions.tolist() == [0, 1, 3, 4] and taken(4).trained.all()
+    )  # pad: trained at advantage 0
+    fewer = taken(4, "train_fewer")  # the same groups keep shapes, the one that failed weighs nothing
+    assert fewer.positions.tolist() == [0, 1, 3, 4] and fewer.trained.tolist() == [False, True, True, True]
+    assert taken(3, "error").positions.tolist() == [1, 3, 4]
+    with pytest.raises(PromptFilterExhausted, match=r"only 3 of the 4 groups.*max_num_gen_batches"):
+        taken(4, "error")
+    assert taken(6).positions.tolist() == list(range(6))
+    assert taken(9).positions.tolist() == list(range(6))  # fewer generated than wanted (GRESO's shrink): all
+    assert fill_groups(torch.zeros(4, dtype=torch.bool), 2, "train_fewer").trained.tolist() == [False, False]
+    with pytest.raises(ValueError, match="unknown prompt_filter_exhausted 'drop'"):
+        taken(2, "drop")
+
+
+def test_round_sizes_follow_the_share_that_passes() -> None:
+    """First round: P, a number, or P / share (auto); a refill: missing / share x 1.25; rounded up to the
+    engine's multiple; at most 8 P; 0 once nothing is missing or the bound is hit (0 = no bound)."""
+    assert first_round_prompts(16, None, 0.25) == 16
+    assert first_round_prompts(16, 40, 0.25) == 40
+    assert first_round_prompts(16, "auto", None) == 16  # nothing measured yet
+    assert first_round_prompts(16, "auto", 0.25) == 64
+    assert first_round_prompts(16, "auto", 0.3) == 54  # 53.3 rounded up
+    assert first_round_prompts(16, "auto", 0.9, multiple=8) == 24  # 17.8 -> 18 -> a multiple of 8
+    assert first_round_prompts(16, "auto", 1.0) == 16
+    assert first_round_prompts(16, "auto", 0.01) == MAX_ROUND_FACTOR * 16
+    assert refill_prompts(1, 16, 0.77) == 2  # 1 / 0.77 x 1.25 = 1.6: two prompts, not a round of 16
+    assert refill_prompts(3, 16, 0.5) == 8  # 7.5
+    assert refill_prompts(3, 16, 0.5, multiple=4) == 8
+    assert refill_prompts(3, 16, 0.5, multiple=16) == 16
+    assert refill_prompts(3, 16, None) == 4  # no measurement: the shortfall x 1.25
+    size = lambda **kw: next_round_size(  # noqa: E731
+        **{
+            "rounds_run": 1,
+            "wanted": 16,
+            "missing": 3,
+            "share": 0.5,
+            "prompt_filter": "nonzero_std",
+            "max_num_gen_batches": 4,
+            **kw,
+        }
+    )
+    assert size(rounds_run=0, generation_batch_prompts="auto") == 32
+    assert size() == 8 and size(rounds_run=3) == 8
+    assert size(rounds_run=4) == 0  # the bound
+    assert size(rounds_run=40, max_num_gen_batches=0) == 8  # no bound
+    assert size(missing=0) == 0 and size(prompt_filter="none") == 0
+
+
+def test_the_running_share_decays_the_past_and_is_smoothed() -> None:
+    share = PassShare()
+    assert share.share is None
+    share = share.plus(passed=0, drawn=2)
+    assert share.share == pytest.approx(1 / 4)  # Laplace: two failures do not make the share 0
+    share = share.plus(passed=30, drawn=40)  # the earlier step weighs half
+    assert (share.passed, share.drawn) == (30, 41) and share.share == pytest.approx(31 / 43)
+    assert PassShare.from_state(json.loads(json.dumps(share.to_state()))) == share
+    assert PassShare.from_state(None) == PassShare()
 
 
 def rollouts(prompt_lengths: list[int], completion_lengths: list[int], n: int, start: int) -> Rollouts:
@@ -117,7 +181,7 @@ def test_sampled_groups_take_whole_groups_across_rounds() -> None:
     )
     assert sampled.passed.tolist() == [False, True, False, True] and sampled.num_passed == 2
     assert (sampled.ids, sampled.skipped) == ([10, 11, 12, 13], 3)
-    groups = sampled.take(fill_groups(sampled.passed, 2))
+    groups = sampled.take(fill_groups(sampled.passed, 2).positions)
     assert groups.rewards.tolist() == [[0.0, 1.0], [1.0, 0.0]]
     assert groups.per_function["f"].tolist() == groups.rewards.tolist()
     assert real_tokens(groups.rollouts) == [real_tokens(sampled.all.rollouts)[row] for row in (2, 3, 6, 7)]
@@ -131,7 +195,26 @@ def test_sampled_groups_take_whole_groups_across_rounds() -> None:
 def test_group_outcomes() -> None:
     rewards = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 1.0], [NAN, NAN], [0.6, 0.6], [1.2, 1.2 + 1e-12]])
     assert group_outcomes(rewards).tolist() == [SOLVED, FAILED, INFORMATIVE, FAILED, SOLVED, SOLVED]
-    assert group_outcomes(rewards, solved_reward=0.7).tolist()[4] == FAILED
+    assert group_outcomes(rewards, GresoSettings(solved_reward=0.7)).tolist()[4] == FAILED
+
+
+def test_greso_thresholds_for_non_binary_rewards() -> None:
+    """GRESO's own classification: a mean of at least 0.98 is solved, at most 0.11 failed, equal or not."""
+    rewards = torch.tensor([[1.0, 0.97], [1.0, 1.0], [0.1, 0.0], [0.2, 0.2], [0.5, 0.4], [1.1, 1.1]])
+    greso = GresoSettings(solved_mean=0.98, failed_mean=0.11)
+    assert group_outcomes(rewards, greso).tolist() == [
+        SOLVED,
+        SOLVED,
+        FAILED,
+        INFORMATIVE,
+        INFORMATIVE,
+        SOLVED,
+    ]
+    assert group_outcomes(rewards).tolist() == [INFORMATIVE, SOLVED, INFORMATIVE, FAILED, INFORMATIVE, SOLVED]
+    only_solved = group_outcomes(rewards, GresoSettings(solved_mean=0.98)).tolist()
+    assert only_solved == [SOLVED, SOLVED, INFORMATIVE, FAILED, INFORMATIVE, SOLVED]
+    with pytest.raises(ValueError, match="failed_mean"):
+        GresoSettings(solved_mean=0.5, failed_mean=0.6)
 
 
 def test_keep_probability_is_greso_formula_with_its_floor() -> None:
@@ -183,35 +266,95 @@ def test_history_survives_a_json_round_trip() -> None:
     }
 
 
-def batches_from(start: int, size: int):
-    """Candidate batches 0..size-1, size..2size-1, ... (as a prompt stream's candidates)."""
-    for first in itertools.count(start, size):
-        yield list(range(first, first + size))
+def drawing(start: int = 0):
+    """A ``draw(count)`` over candidates start, start + 1, ... (as the prompt stream's), and what it drew."""
+    drawn = []
+
+    def draw(count: int) -> list[int]:
+        first = start + len(drawn)
+        drawn.extend(range(first, first + count))
+        return list(range(first, first + count))
+
+    return draw, drawn
 
 
-def test_skip_prompts_keeps_each_candidate_with_its_probability() -> None:
-    settings = GresoSettings()
-    history = PromptHistory(
-        streaks={i: (FAILED, 2) for i in range(0, 100_000, 2)}, exploration={SOLVED: 0.5, FAILED: 0.5}
+STREAKY = PromptHistory(  # even prompts failed twice in a row: kept with probability 0.5 ** 2
+    streaks={i: (FAILED, 2) for i in range(0, 100_000, 2)}, exploration={SOLVED: 0.5, FAILED: 0.5}
+)
+
+
+def test_skip_candidates_keeps_each_candidate_with_its_probability() -> None:
+    ids = list(range(4000))
+    kept, skipped = skip_candidates(ids, STREAKY, GresoSettings(), torch.Generator().manual_seed(0))
+    assert sorted(kept + skipped) == ids and kept == sorted(kept) and skipped == sorted(skipped)
+    assert all(i in kept for i in range(1, 4000, 2))  # no history: always kept
+    assert sum(i % 2 == 0 for i in kept) / 2000 == pytest.approx(0.25, abs=0.03)
+    again = skip_candidates(ids, STREAKY, GresoSettings(), torch.Generator().manual_seed(0))
+    assert again == (kept, skipped)  # the draws are the generator's: seeded, they repeat exactly
+
+
+def test_shrink_generates_for_the_kept_candidates_only() -> None:
+    draw, drawn = drawing()
+    chosen = round_prompts(
+        draw, 400, settings=GresoSettings(), history=STREAKY, generator=torch.Generator().manual_seed(0)
     )
-    chosen = skip_prompts(batches_from(0, 1000), history, settings, 1000, torch.Generator().manual_seed(0))
-    assert len(chosen.ids) == 1000 and len(set(chosen.ids)) == 1000
-    assert chosen.ids == sorted(chosen.ids)  # candidates in order, skipped ones left out
-    seen = max(chosen.ids) + 1
-    kept_streaky = sum(i % 2 == 0 for i in chosen.ids)
-    assert all(i in chosen.ids for i in range(1, seen, 2))  # no history: always kept
-    assert kept_streaky / (seen / 2) == pytest.approx(0.25, abs=0.03)  # 0.5 ** 2
-    assert chosen.skipped == seen - 1000
-    again = skip_prompts(batches_from(0, 1000), history, settings, 1000, torch.Generator().manual_seed(0))
-    assert again == chosen  # the draws are the generator's: seeded, they repeat exactly
+    assert drawn == list(range(400))  # one draw of the round's size
+    assert len(chosen.ids) + chosen.skipped == 400 and chosen.skipped > 100
+    assert all(i in chosen.ids for i in range(1, 400, 2))
+    # another process kept more: this one tops up with its first skipped, to generate as many
+    draw, _ = drawing()
+    topped = round_prompts(
+        draw,
+        400,
+        settings=GresoSettings(),
+        history=STREAKY,
+        generator=torch.Generator().manual_seed(0),
+        most=lambda value: max(value, 300),
+    )
+    assert len(topped.ids) == 300 and topped.skipped == 100
+    assert set(chosen.ids) < set(topped.ids)
+    # everything skipped: one prompt is generated after all (a round never generates for nothing)
+    solved = PromptHistory(streaks={i: (SOLVED, 60) for i in range(10)})
+    draw, _ = drawing()
+    none_kept = round_prompts(
+        draw,
+        4,
+        settings=GresoSettings(min_keep_probability=1e-12),
+        history=solved,
+        generator=torch.Generator().manual_seed(1),
+    )
+    assert none_kept.ids == [0] and none_kept.skipped == 3
 
 
-def test_skip_prompts_fills_up_with_skipped_ones_when_candidates_run_out() -> None:
+def test_replace_draws_more_candidates_until_the_round_is_full() -> None:
     settings = GresoSettings(max_candidate_batches=2, min_keep_probability=1e-12)
     history = PromptHistory(streaks={i: (SOLVED, 60) for i in range(100) if i != 5})  # kept with p 1e-12
-    chosen = skip_prompts(batches_from(0, 4), history, settings, 3, torch.Generator().manual_seed(1))
-    assert chosen.ids == [5, 0, 1]  # two batches scanned: 5 kept, then the first two skipped ones
-    assert chosen.skipped == 5  # 2, 3, 4, 6 and 7 were not generated
+    draw, drawn = drawing()
+    chosen = round_prompts(
+        draw,
+        3,
+        settings=settings,
+        history=history,
+        generator=torch.Generator().manual_seed(1),
+        mode="replace",
+    )
+    assert drawn == list(range(6))  # two batches of 3 scanned
+    assert (
+        chosen.ids == [5, 0, 1] and chosen.skipped == 3
+    )  # 5 kept, then the first skipped; 2, 3, 4 not generated
+    draw, drawn = drawing()
+    full = round_prompts(
+        draw,
+        400,
+        settings=GresoSettings(),
+        history=STREAKY,
+        generator=torch.Generator().manual_seed(0),
+        mode="replace",
+    )
+    assert len(full.ids) == 400 and len(drawn) > 400 and full.skipped > 0
+    draw, _ = drawing()
+    plain = round_prompts(draw, 4, settings=None, history=None, generator=None)
+    assert (plain.ids, plain.skipped) == ([0, 1, 2, 3], 0)
 
 
 def test_greso_settings_are_checked() -> None:
@@ -222,26 +365,20 @@ def test_greso_settings_are_checked() -> None:
     assert GresoSettings(0.3).targets == {SOLVED: pytest.approx(0.1), FAILED: pytest.approx(0.2)}
 
 
-# ------------------------------------------------------------------------------------------ refill candidates
+# ------------------------------------------------------------------------------------------ the prompt stream
 
 
-def test_refill_candidates_are_a_pure_function_of_the_step_and_disjoint_across_processes() -> None:
+def test_the_stream_gives_each_process_its_own_slice_and_each_prompt_once_per_epoch() -> None:
     rows = [{"prompt": str(i)} for i in range(40)]
-    streams = [PromptStream(rows, 3, seed=5, rank=rank, world=2) for rank in (0, 1)]
-    for step in (0, 7):
-        drawn = [list(itertools.islice(stream.candidates(step), 4)) for stream in streams]
-        step_prompts = set(drawn[0][0]) | set(drawn[1][0])
-        for rank, stream in enumerate(streams):
-            assert drawn[rank][0] == stream.indices(step)
-            assert drawn[rank] == list(
-                itertools.islice(PromptStream(rows, 3, 5, rank, 2).candidates(step), 4)
-            )
-        refills = [index for rank in (0, 1) for batch in drawn[rank][1:] for index in batch]
-        assert len(refills) == len(set(refills)) == 18  # no prompt twice in a step, on any process
-        assert not step_prompts & set(refills)
-    assert (
-        list(itertools.islice(streams[0].candidates(0), 2))[1]
-        != list(itertools.islice(streams[0].candidates(1), 2))[1]
-    )
-    tiny = PromptStream(rows[:2], 2, seed=0, rank=0, world=1)  # nothing left to refill from: repeats
-    assert sorted(next(itertools.islice(tiny.candidates(0), 1, 2))) == [0, 1]
+    streams = [PromptStream(rows, seed=5, rank=rank, world=2) for rank in (0, 1)]
+    cursor, seen = 0, []
+    for count in (3, 5, 1, 8, 3):  # rounds of different sizes, the same on both processes
+        drawn = [stream.draw(cursor, count) for stream in streams]
+        assert len(drawn[0]) == len(drawn[1]) == count and not set(drawn[0]) & set(drawn[1])
+        seen += drawn[0] + drawn[1]
+        cursor += count
+    assert len(seen) == len(set(seen)) == 40  # one epoch: every prompt exactly once
+    assert streams[0].epoch(cursor) == 1.0
+    assert PromptStream(rows, seed=5, rank=1, world=2).draw(3, 5) == streams[1].draw(3, 5)  # a pure function
+    assert streams[0].draw(20, 4) != streams[0].draw(0, 4)  # the next epoch's order differs
+    assert sorted(streams[0].draw(20, 20) + streams[1].draw(20, 20)) == list(range(40))

@@ -15,20 +15,10 @@ import pytest
 import torch
 
 from pods.advantages import zero_variance_groups
-from pods.checkpoint import STATE_FILE, list_checkpoints
+from pods.checkpoint import list_checkpoints
 from pods.config import ConfigError, TrainConfig
 from pods.metrics import TIMING_KEYS, read_jsonl
 from pods.prompt_filter import fill_groups
-from pods.prompt_skip import (
-    FAILED,
-    SOLVED,
-    GresoSettings,
-    PromptHistory,
-    adapt_exploration,
-    group_outcomes,
-    record_outcomes,
-    skip_prompts,
-)
 from pods.trainer import PODSTrainer
 
 SCRIPT = Path(__file__).parent / "scripts" / "tiny_run.py"
@@ -37,7 +27,6 @@ from tiny_run import (  # noqa: E402
     TINY_SETTINGS,
     RecordingTrainer,
     count_of_a,
-    half_constant,
     low_token_ids,
     tiny_dataset,
 )
@@ -225,7 +214,12 @@ def learning_metrics(path: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in read_jsonl(path)]
 
 
-FILTER_AND_SKIP = {"prompt_filter": "nonzero_std", "prompt_skip": "greso", "max_num_gen_batches": 3}
+FILTER_AND_SKIP = {
+    "prompt_filter": "nonzero_std",
+    "prompt_skip": "greso",
+    "max_num_gen_batches": 3,
+    "generation_batch_prompts": "auto",
+}
 HALF_CONSTANT = {
     "TINY_RUN_REWARD": "half_constant",
     "TINY_RUN_DATASET_SIZE": "6",
@@ -536,7 +530,8 @@ def test_a_reward_function_that_raises_is_named(tiny_model_dir: Path, tmp_path: 
     with pytest.raises(RewardFunctionError, match="'broken_reward' raised KeyError") as error:
         trainer.train()
     index = int(str(error.value).split("on completion ")[1].split(":")[0])
-    assert "say abb" in trainer.prompts.batch(0)[index // 4]["question"]
+    first = [trainer.train_rows[i] for i in trainer.prompts.draw(0, trainer.config.prompts_per_step)]
+    assert "say abb" in first[index // 4]["question"]
 
 
 def test_existing_checkpoints_are_never_overwritten_silently(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -548,130 +543,11 @@ def test_existing_checkpoints_are_never_overwritten_silently(tiny_model_dir: Pat
     assert [row["step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
-# ------------------------------------------------------------------------------ prompt filter and skipping
-
-
-def scored_by_step(trainer: RecordingTrainer) -> list[list[dict]]:
-    """The scoring rounds of each step, in order."""
-    steps = [[] for _ in trainer.updates]
-    for record in trainer.scored:
-        steps[record["step"]].append(record)
-    return steps
-
-
-def question_index(question: str) -> int:
-    return int(question.split(":")[0].split()[1])
-
-
-def test_prompt_filter_refills_until_every_trained_group_has_a_spread(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """Half of the prompts give all-equal rewards: the step drops them, generates again for more prompts, stops as
-    soon as it has P groups that pass, trains on exactly those, and logs what it dropped and generated."""
-    config = tiny_config(
-        tiny_model_dir,
-        tmp_path,
-        max_steps=4,
-        prompt_filter="nonzero_std",
-        max_num_gen_batches=4,
-        save_final=False,
-    )
-    trainer = RecordingTrainer(config, reward_funcs=[half_constant], train_dataset=tiny_dataset())
-    trainer.train()
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    n, m, wanted = config.num_generations, config.num_generations_kept, config.prompts_per_step
-    refilled = 0
-    for rounds, update, row in zip(scored_by_step(trainer), trainer.updates, rows, strict=True):
-        rewards = torch.cat([torch.tensor(r["rewards"], dtype=torch.float64) for r in rounds])
-        texts = [text for r in rounds for text in r["texts"]]
-        passed = ~zero_variance_groups(rewards)
-        before_last = int(passed[:-wanted].sum())
-        assert before_last < wanted, "a round ran after the step already had P groups that pass"
-        assert len(rounds) == row["pods/filter/num_gen_batches"] <= 4
-        refilled += len(rounds) > 1
-        groups = fill_groups(passed, wanted).tolist()
-        for slot, group in enumerate(groups):  # the update trains on m of each chosen group, in order
-            kept = update["texts"][slot * m : (slot + 1) * m]
-            assert all(text in texts[group * n : (group + 1) * n] for text in kept)
-        trained_passed = int(passed[groups].sum())
-        assert row["pods/filter/groups_unfilled"] == wanted - trained_passed
-        assert row["pods/filter/groups_dropped"] == len(passed) - int(passed.sum()) - (
-            wanted - trained_passed
-        )
-        assert row["pods/filter/extra_rollouts"] == (len(rounds) - 1) * wanted * n
-        assert row["frac_reward_zero_std"] == pytest.approx(1 - passed.double().mean().item())  # every round
-    assert refilled >= 2, "the reward gave too few zero-variance groups to exercise the refill"
-
-
-def test_the_refill_bound_ends_each_step_on_a_solved_dataset(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Every reward 1: no group can pass. Each step stops after max_num_gen_batches rounds and trains on the first
-    P groups (advantage 0: nothing moves), instead of generating forever."""
-
-    def always_one(prompts, completions, **columns):
-        return [1.0] * len(completions)
-
-    config = tiny_config(
-        tiny_model_dir,
-        tmp_path,
-        max_steps=2,
-        prompt_filter="nonzero_std",
-        max_num_gen_batches=3,
-        save_final=False,
-    )
-    trainer = RecordingTrainer(config, reward_funcs=[always_one], train_dataset=tiny_dataset())
-    before = trainable_snapshot(trainer)
-    assert trainer.train().steps == 2
-    after = trainable_snapshot(trainer)
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    assert [len(rounds) for rounds in scored_by_step(trainer)] == [3, 3]
-    for row in read_jsonl(tmp_path / "metrics.jsonl"):
-        assert (row["pods/filter/num_gen_batches"], row["pods/filter/groups_unfilled"]) == (3, 2)
-        assert (row["pods/filter/groups_dropped"], row["pods/filter/extra_rollouts"]) == (4, 16)
-    assert all(advantage == 0 for update in trainer.updates for advantage in update["advantages"])
-
-
-def test_greso_skips_as_its_history_says_and_checkpoints_the_history(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """Six prompts, so each is seen again every three steps. Replaying GRESO's pure functions over every scored group
-    (record each, adapt past the first epoch) predicts exactly which prompts each step generated for and skipped, the
-    exploration rates logged, and the history in the checkpoint."""
-    config = tiny_config(tiny_model_dir, tmp_path, max_steps=9, prompt_skip="greso", save_every_steps=9)
-    trainer = RecordingTrainer(config, reward_funcs=[half_constant], train_dataset=tiny_dataset(6))
-    trainer.train()
-    settings = GresoSettings()
-    history = PromptHistory.start(settings)
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    for step, (rounds, row) in enumerate(zip(scored_by_step(trainer), rows, strict=True)):
-        (scored,) = rounds  # no filter: one round
-        expected = skip_prompts(
-            trainer.prompts.candidates(step),
-            history,
-            settings,
-            config.prompts_per_step,
-            trainer._skip_generator(step, 0),
-        )
-        assert [question_index(q) for q in scored["questions"]] == expected.ids
-        assert row["pods/skip/prompts_skipped"] == expected.skipped
-        assert row["pods/skip/rollouts_saved"] == expected.skipped * config.num_generations
-        outcomes = group_outcomes(torch.tensor(scored["rewards"], dtype=torch.float64)).tolist()
-        history = record_outcomes(history, expected.ids, outcomes)
-        if trainer.prompts.epoch(step) >= 1:
-            history = adapt_exploration(history, outcomes, settings)
-        assert row["pods/skip/exploration_solved"] == history.exploration[SOLVED]
-        assert row["pods/skip/exploration_failed"] == history.exploration[FAILED]
-    assert sum(row["pods/skip/prompts_skipped"] for row in rows) > 0, (
-        "nothing was skipped: the test has no teeth"
-    )
-    assert rows[0]["pods/skip/exploration_solved"] == 0.5 != rows[-1]["pods/skip/exploration_solved"]
-    saved = json.loads((list_checkpoints(tmp_path / "checkpoints")[-1] / STATE_FILE).read_text())
-    assert PromptHistory.from_state(saved["prompt_history"], settings) == history
-
-
 @pytest.mark.slow
 def test_two_processes_each_filter_and_skip_their_own_groups(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """accelerate launch, 2 CPU processes, prompt filter and GRESO: both run the same number of rounds, each trains
-    on its own informative groups, the prompts never overlap, and the weights stay identical."""
+    """accelerate launch, 2 CPU processes, prompt filter and GRESO: both run the same rounds of the same size (a
+    process that skipped more tops up with skipped prompts), each trains on its own informative groups, the prompts
+    never overlap, and the weights stay identical."""
     settings = {"max_steps": 3, **FILTER_AND_SKIP}
     command, env = two_process_launch(tiny_model_dir, tmp_path, settings)
     env.update(TINY_RUN_REWARD="half_constant", TINY_RUN_DATASET_SIZE="12")
@@ -685,6 +561,8 @@ def test_two_processes_each_filter_and_skip_their_own_groups(tiny_model_dir: Pat
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     for step, row in enumerate(rows):
         assert len(steps[0][step]) == len(steps[1][step]) == row["pods/filter/num_gen_batches"]
+        sizes = [[len(r["questions"]) for r in steps[rank][step]] for rank in (0, 1)]
+        assert sizes[0] == sizes[1], sizes
         questions = [{q for r in steps[rank][step] for q in r["questions"]} for rank in (0, 1)]
         assert not questions[0] & questions[1], "the processes generated for the same prompt in one step"
         dropped = 0
@@ -692,7 +570,7 @@ def test_two_processes_each_filter_and_skip_their_own_groups(tiny_model_dir: Pat
             rewards = torch.cat([torch.tensor(r["rewards"], dtype=torch.float64) for r in steps[rank][step]])
             texts = [text for r in steps[rank][step] for text in r["texts"]]
             passed = ~zero_variance_groups(rewards)
-            groups = fill_groups(passed, wanted).tolist()
+            groups = fill_groups(passed, wanted, "train_fewer").positions.tolist()
             update = records[rank]["updates"][step]["texts"]
             for slot, group in enumerate(groups):
                 assert all(

@@ -46,6 +46,12 @@ class TrainerState:
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
     consecutive_skips: int = 0
     prompt_history: dict[str, Any] | None = None  # prompt_skip greso's history (PromptHistory.to_state)
+    prompts_drawn: int | None = (
+        None  # prompts drawn per process (the stream's cursor); None: step x P (older runs)
+    )
+    pass_share: list[float] | None = (
+        None  # the prompt filter's running share that passes (PassShare.to_state)
+    )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -32,7 +32,11 @@ EVAL_PROTOCOLS = ("greedy", "sampled")
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # auto: vLLM where it is installed and can run, else hf
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 PROMPT_FILTERS = ("none", "nonzero_std")  # pods.prompt_filter (DAPO's dynamic sampling)
+PROMPT_FILTER_EXHAUSTED = ("train_fewer", "pad", "error")  # what a step does when the refill bound is hit
 PROMPT_SKIPS = ("none", "greso")  # pods.prompt_skip (GRESO)
+PROMPT_SKIP_MODES = ("shrink", "replace")  # a skipped prompt is not generated / is replaced by another
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # several reward functions (TRL's names)
+DIFFICULTY_BUCKETS = 4  # num_generations_kept_by_difficulty: GFPO's quartiles of the groups' mean reward
 
 EMBEDDED_MODEL = "embedded"
 
@@ -71,10 +75,23 @@ class TrainConfig:
     selection_rule: str = "max_variance"  # or max_reward, random, all, shortest, reward_per_token,
     # max_variance_shortest, or a registered rule (docs/selection.md)
     prompts_per_step: int = 16  # prompts per step per process
+    num_generations_kept_by_difficulty: list[int] | None = None  # GFPO's adaptive k: m per quartile of
+    # the step's group mean rewards, easiest first, e.g. [2, 3, 4, 4] (each 2..m); None: m for every group
     prompt_filter: str = "none"  # or nonzero_std: drop all-equal groups, generate for more (DAPO)
-    max_num_gen_batches: int = 4  # prompt_filter: generation rounds per step at most (first included)
+    prompt_filter_reward: str = "total"  # the reward the filter and GRESO read: total, or one function's name
+    max_num_gen_batches: int = (
+        4  # prompt_filter: generation rounds per step at most (first included; 0: no bound)
+    )
+    generation_batch_prompts: int | str | None = None  # prompt_filter: prompts of a step's first round per
+    # process: None = prompts_per_step, a larger number, or auto (P / the running share that passes)
+    prompt_filter_exhausted: str = "train_fewer"  # past the bound: train_fewer, pad (zero advantage), error
     prompt_skip: str = "none"  # or greso: skip prompts likely to give all-equal rewards (GRESO)
+    prompt_skip_mode: str = "shrink"  # greso: shrink (a skipped prompt is not generated) or replace
     prompt_skip_target: float = 0.25  # greso: fraction of zero-variance groups its rates steer towards
+    prompt_skip_solved_mean: float | None = None  # greso: a group at or above this mean counts as solved
+    prompt_skip_failed_mean: float | None = (
+        None  # and at or below this one as failed (None: all rewards equal)
+    )
     max_completion_length: int = 32
     temperature: float = 1.0
     top_p: float = 1.0
@@ -92,6 +109,7 @@ class TrainConfig:
     # --- rewards and loss ---
     reward_funcs: list[str] | None = None  # names in pods.rewards; None = the task's (arith: accuracy)
     reward_weights: list[float] | None = None
+    multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum (TRL's; GDPO)
     reward_timeout: float | None = (
         None  # seconds per reward-function call; past it the run ends (None = no limit)
     )
@@ -188,18 +206,7 @@ class TrainConfig:
             f"{self.micro_batch_size} must divide the kept rows per step per process, prompts_per_step x m = "
             f"{self.prompts_per_step} x {m} = {rows}; divisors: {_divisors(rows)}",
         )
-        require_choice(self.prompt_filter, PROMPT_FILTERS, "prompt_filter")
-        _require(
-            self.max_num_gen_batches >= 1,
-            "max_num_gen_batches",
-            f"must be at least 1 (generation rounds per step, the first included), got {self.max_num_gen_batches}",
-        )
-        require_choice(self.prompt_skip, PROMPT_SKIPS, "prompt_skip")
-        _require(
-            0 <= self.prompt_skip_target < 1,
-            "prompt_skip_target",
-            f"must be in [0, 1) (a fraction of zero-variance groups), got {self.prompt_skip_target}",
-        )
+        self._validate_prompt_stages()
         _require(self.max_completion_length >= 1, "max_completion_length", "must be at least 1")
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -302,6 +309,47 @@ class TrainConfig:
             "eval_at_seconds",
             f"must be a list of positive training times in seconds, e.g. [5, 10, 20] (or [] for none), got {at!r}",
         )
+
+    def _validate_prompt_stages(self) -> None:
+        """The prompt filter, GRESO's skipping, the adaptive k and the reward aggregation."""
+        require_choice(self.prompt_filter, PROMPT_FILTERS, "prompt_filter")
+        require_choice(self.prompt_filter_exhausted, PROMPT_FILTER_EXHAUSTED, "prompt_filter_exhausted")
+        require_choice(self.prompt_skip, PROMPT_SKIPS, "prompt_skip")
+        require_choice(self.prompt_skip_mode, PROMPT_SKIP_MODES, "prompt_skip_mode")
+        require_choice(self.multi_objective_aggregation, AGGREGATIONS, "multi_objective_aggregation")
+        _require(
+            self.max_num_gen_batches >= 0,
+            "max_num_gen_batches",
+            f"must be at least 1 (generation rounds per step, the first included), or 0 for no bound, got "
+            f"{self.max_num_gen_batches}",
+        )
+        check_generation_batch_prompts(
+            self.generation_batch_prompts, self.prompts_per_step, self.prompt_filter
+        )
+        _require(
+            0 <= self.prompt_skip_target < 1,
+            "prompt_skip_target",
+            f"must be in [0, 1) (a fraction of zero-variance groups), got {self.prompt_skip_target}",
+        )
+        solved, failed = self.prompt_skip_solved_mean, self.prompt_skip_failed_mean
+        _require(
+            solved is None or failed is None or failed < solved,
+            "prompt_skip_failed_mean",
+            f"({failed}) must be below prompt_skip_solved_mean ({solved}): a group cannot be both",
+        )
+        _require(
+            isinstance(self.prompt_filter_reward, str) and bool(self.prompt_filter_reward),
+            "prompt_filter_reward",
+            "must be total or the name of one of the reward functions",
+        )
+        check_kept_by_difficulty(self.num_generations_kept_by_difficulty, self.num_generations_kept)
+        if self.num_generations_kept_by_difficulty is not None:
+            _require(
+                self.selection_rule != "all" and self.num_generations != "auto",
+                "num_generations_kept_by_difficulty",
+                "chooses how many of n to keep per group, so it needs a selection rule other than 'all' and a "
+                "fixed num_generations",
+            )
 
     def _validate_auto(self) -> None:
         from pods.auto_generations import MODELLED_RULES
@@ -449,6 +497,40 @@ def _coerce(key: str, value: Any) -> Any:
         for k in allowed
     )
     raise ConfigError(f"{key} must be {wanted}, got {value!r}")
+
+
+def check_generation_batch_prompts(
+    value: int | str | None, prompts_per_step: int, prompt_filter: str
+) -> None:
+    """``generation_batch_prompts``: None, ``auto`` or a number of prompts at least ``prompts_per_step``, with a filter."""
+    if value is None:
+        return
+    _require(
+        value == "auto"
+        or (isinstance(value, int) and not isinstance(value, bool) and value >= prompts_per_step),
+        "generation_batch_prompts",
+        f"must be null, auto, or a number of prompts of at least prompts_per_step ({prompts_per_step}), got {value!r}",
+    )
+    _require(
+        prompt_filter != "none",
+        "generation_batch_prompts",
+        "oversamples a step's first round for the prompt filter, which drops groups; without a filter every "
+        "group generated is trained on: set prompt_filter: nonzero_std, or remove generation_batch_prompts",
+    )
+
+
+def check_kept_by_difficulty(values: list[int] | None, kept: int) -> None:
+    """``num_generations_kept_by_difficulty``: one k per quartile, each from 2 to m (``num_generations_kept``)."""
+    if values is None:
+        return
+    _require(
+        isinstance(values, list | tuple)
+        and len(values) == DIFFICULTY_BUCKETS
+        and all(isinstance(k, int) and not isinstance(k, bool) and 2 <= k <= kept for k in values),
+        "num_generations_kept_by_difficulty",
+        f"must list {DIFFICULTY_BUCKETS} counts kept per group, easiest quartile first, each from 2 to "
+        f"num_generations_kept ({kept}), e.g. [2, 3, {kept}, {kept}]; got {values!r}",
+    )
 
 
 def _require(ok: bool, key: str, message: str) -> None:

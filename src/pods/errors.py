@@ -27,5 +27,9 @@ class NonFiniteError(RuntimeError):
     """``max_consecutive_skips`` optimizer steps in a row had a non-finite loss or gradient norm."""
 
 
+class PromptFilterExhausted(RuntimeError):
+    """``prompt_filter_exhausted: error``: a step's last generation round left it short of groups that pass."""
+
+
 # The errors `pods` reports as one line: bad input, or a run that cannot go on.
-USER_ERRORS = (ConfigError, RewardFunctionError, NonFiniteError, CheckpointWriteError)
+USER_ERRORS = (ConfigError, RewardFunctionError, NonFiniteError, CheckpointWriteError, PromptFilterExhausted)

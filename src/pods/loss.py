@@ -349,7 +349,8 @@ def policy_loss(
         token_counts = mask.sum(dim=1).clamp_min(1)
         loss = (per_token.sum(dim=1) / token_counts).sum() / total_sequences
     elif loss_type == "bnpo":
-        loss = per_token.sum() / mask.sum().clamp_min(1) * (batch / total_sequences)
+        sequences = mask.any(dim=1).sum()  # a padding row (no tokens) is no sequence
+        loss = per_token.sum() / mask.sum().clamp_min(1) * (sequences / total_sequences)
     elif loss_type == "dapo":
         loss = per_token.sum() / total_tokens
     else:

@@ -14,8 +14,15 @@ that were solved zero-variance reaches its target (a third of ``target_zero_vari
 prompts get more exploration: they are the ones the policy may learn to solve). Both stay in [0.05, 0.95]
 and start at 0.5. As in GRESO, the rates adapt only once the run is past its first epoch.
 
-Skipped prompts are replaced by further candidates (the step keeps P prompts per process); if none are left
-within ``max_candidate_batches`` batches of candidates, the first skipped ones are generated after all.
+What happens to a skipped prompt is ``prompt_skip_mode``: ``shrink`` (default) generates for the candidates
+kept only, so a step (or a filter's round) generates fewer rollouts; ``replace`` draws further candidates until
+as many as asked are kept, so a step generates as much as without skipping, for prompts more likely to
+carry a signal. Every process generates for the same number of prompts in a round (engines and reward
+gathering may need all of them): a process that kept fewer generates for its first skipped ones too.
+
+GRESO's thresholds for non-binary rewards are options: with ``solved_mean`` (GRESO: 0.98) a group whose mean
+reward is at least that counts as solved whether or not its rewards are equal, with ``failed_mean`` (0.11)
+one at or below it as failed.
 
 The history is trainer state: :meth:`PromptHistory.to_state` is JSON-able and goes into every checkpoint.
 The random draws come from a generator the caller seeds from (seed, step, process, round), so a resumed
@@ -24,7 +31,7 @@ run skips exactly what an uninterrupted one skips.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,7 +52,8 @@ __all__ = [
     "group_outcomes",
     "keep_probabilities",
     "record_outcomes",
-    "skip_prompts",
+    "round_prompts",
+    "skip_candidates",
 ]
 
 INFORMATIVE, SOLVED, FAILED = 0, 1, 2  # what one group of a prompt looked like
@@ -62,7 +70,9 @@ class GresoSettings:
     exploration_step: float = 0.01
     min_keep_probability: float = 0.01  # the exploration floor: every prompt is retried at least this often
     solved_reward: float = 0.5  # a zero-variance group at or above this reward is "solved", below "failed"
-    max_candidate_batches: int = 8  # candidates scanned per round: at most this many batches of P
+    max_candidate_batches: int = 8  # replace mode: candidates scanned per round, at most this many batches
+    solved_mean: float | None = None  # a group whose mean reward is at least this is solved (GRESO: 0.98)
+    failed_mean: float | None = None  # a group whose mean reward is at most this is failed (GRESO: 0.11)
 
     def __post_init__(self) -> None:
         if not 0 <= self.target_zero_variance < 1:
@@ -71,6 +81,10 @@ class GresoSettings:
             raise ValueError("exploration rates must satisfy 0 < min <= initial <= max <= 1.")
         if not 0 < self.min_keep_probability <= 1 or self.max_candidate_batches < 1:
             raise ValueError("min_keep_probability must be in (0, 1] and max_candidate_batches at least 1.")
+        if None not in (self.solved_mean, self.failed_mean) and self.failed_mean >= self.solved_mean:
+            raise ValueError(
+                f"failed_mean ({self.failed_mean}) must be below solved_mean ({self.solved_mean})."
+            )
 
     @property
     def targets(self) -> dict[int, float]:
@@ -109,18 +123,30 @@ class PromptHistory:
 
 @dataclass(frozen=True)
 class SkippedPrompts:
-    """What the skip stage chose for one round: ``ids`` (P prompts to generate for) and how many it skipped."""
+    """What the skip stage chose for one round: ``ids`` to generate for, and how many candidates it skipped
+    (not generated)."""
 
     ids: list[int]
     skipped: int
 
 
-def group_outcomes(rewards: torch.Tensor, solved_reward: float = 0.5) -> torch.Tensor:
-    """``LongTensor[G]`` of ``INFORMATIVE``, ``SOLVED`` or ``FAILED`` for each group of ``rewards[G, n]``."""
+def group_outcomes(rewards: torch.Tensor, settings: GresoSettings | None = None) -> torch.Tensor:
+    """``LongTensor[G]`` of ``INFORMATIVE``, ``SOLVED`` or ``FAILED`` for each group of ``rewards[G, n]``: all
+    rewards equal and at least / below ``solved_reward``; or, where ``solved_mean`` / ``failed_mean`` are set, a
+    mean at least / at most that (unscorable completions left out)."""
+    settings = settings or GresoSettings()
     equal = zero_variance_groups(rewards)
-    common = torch.nan_to_num(rewards.to(torch.float64).nanmean(dim=1), nan=float("-inf"))
-    kind = torch.where(common >= solved_reward, SOLVED, FAILED)
-    return torch.where(equal, kind, INFORMATIVE).long()
+    mean = torch.nan_to_num(rewards.to(torch.float64).nanmean(dim=1), nan=float("-inf"))
+    if settings.solved_mean is None:
+        solved = equal & (mean >= settings.solved_reward)
+    else:
+        solved = mean >= settings.solved_mean
+    if settings.failed_mean is None:
+        failed = equal & (mean < settings.solved_reward)
+    else:
+        failed = mean <= settings.failed_mean
+    outcome = torch.full_like(mean, INFORMATIVE, dtype=torch.long)
+    return outcome.masked_fill(failed, FAILED).masked_fill(solved, SOLVED)
 
 
 def keep_probabilities(history: PromptHistory, ids: list[int], settings: GresoSettings) -> torch.Tensor:
@@ -133,29 +159,50 @@ def keep_probabilities(history: PromptHistory, ids: list[int], settings: GresoSe
     return torch.tensor(probabilities, dtype=torch.float64)
 
 
-def skip_prompts(
-    candidates: Iterator[list[int]],
-    history: PromptHistory,
-    settings: GresoSettings,
-    wanted: int,
-    generator: torch.Generator,
+def skip_candidates(
+    ids: list[int], history: PromptHistory, settings: GresoSettings, generator: torch.Generator
+) -> tuple[list[int], list[int]]:
+    """One batch of candidates split into (kept, skipped), each candidate kept with its probability, in order."""
+    draws = torch.rand(len(ids), generator=generator, dtype=torch.float64)
+    keep = (draws < keep_probabilities(history, ids, settings)).tolist()
+    return [p for p, k in zip(ids, keep, strict=True) if k], [
+        p for p, k in zip(ids, keep, strict=True) if not k
+    ]
+
+
+def round_prompts(
+    draw: Callable[[int], list[int]],
+    size: int,
+    *,
+    settings: GresoSettings | None,
+    history: PromptHistory | None,
+    generator: torch.Generator | None,
+    mode: str = "shrink",
+    most: Callable[[int], int] = lambda value: value,
 ) -> SkippedPrompts:
-    """Draw candidates batch by batch, skip each with probability ``1 - keep``, until ``wanted`` are kept or
-    ``max_candidate_batches`` batches are spent; then fill up with the first skipped ones."""
+    """The prompts one round generates for on this process, from ``draw(count)`` (the next candidates of the
+    stream): ``size`` of them without skipping; with GRESO (``settings``), in ``shrink`` mode the ``size``
+    candidates it keeps, in ``replace`` mode the first ``size`` it keeps over further draws of ``size`` (at most
+    ``max_candidate_batches``). ``most(value)`` is the largest value over processes: every process draws and
+    generates as many as the busiest (topping up with its first skipped candidates), so that rounds and
+    cursors stay in step."""
+    if settings is None or history is None:
+        return SkippedPrompts(ids=draw(size), skipped=0)
     kept: list[int] = []
     skipped: list[int] = []
-    for _ in range(settings.max_candidate_batches):
-        batch = next(candidates)
-        draws = torch.rand(len(batch), generator=generator, dtype=torch.float64)
-        for prompt, keep in zip(
-            batch, (draws < keep_probabilities(history, batch, settings)).tolist(), strict=True
-        ):
-            if len(kept) == wanted:
+    if mode == "shrink":
+        kept, skipped = skip_candidates(draw(size), history, settings, generator)
+        count = most(max(len(kept), 1))
+    elif mode == "replace":
+        for _ in range(settings.max_candidate_batches):
+            more_kept, more_skipped = skip_candidates(draw(size), history, settings, generator)
+            kept, skipped = kept + more_kept, skipped + more_skipped
+            if most(size - len(kept)) <= 0:
                 break
-            (kept if keep else skipped).append(prompt)
-        if len(kept) == wanted:
-            break
-    forced = skipped[: wanted - len(kept)]  # the bound was hit: generate the first skipped after all
+        kept, count = kept[:size], size
+    else:
+        raise ValueError(f"unknown prompt_skip_mode {mode!r}; choose shrink or replace.")
+    forced = skipped[: count - len(kept)]  # topped up with the first skipped: generated after all
     return SkippedPrompts(ids=kept + forced, skipped=len(skipped) - len(forced))
 
 

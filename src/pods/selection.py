@@ -19,7 +19,8 @@ Built-in rules return each row's indices in ascending order:
 - ``all``: every rollout (m must equal n): plain GRPO.
 - ``shortest`` (GFPO's shortest-k): the m shortest completions (ties go to earlier rollouts).
 - ``reward_per_token`` (GFPO's token efficiency): the m highest reward / length ratios (length counted
-  as at least 1 token; ties go to earlier rollouts).
+  as at least 1 token; a negative reward counts as reward x length, so a long wrong answer ranks below a
+  short one; ties go to earlier rollouts).
 - ``max_variance_shortest``: a max-variance subset, and among all max-variance subsets one with the
   fewest tokens in total, exactly. Every max-variance subset keeps the same multiset of reward values
   as one of the tied "t highest + m - t lowest" splits, so for each tied split it keeps, within each
@@ -168,8 +169,10 @@ def shortest(
 def reward_per_token(
     rewards: torch.Tensor, m: int, generator: torch.Generator | None = None, *, lengths: torch.Tensor
 ) -> torch.Tensor:
-    """GFPO's token efficiency: the m highest reward / length per row (length at least 1); ties to earlier rollouts."""
-    efficiency = rewards / lengths.clamp_min(1.0)
+    """GFPO's token efficiency: the m highest reward / length per row (length at least 1); a negative reward counts
+    as reward x length, so that among wrong answers a long one ranks below a short one; ties to earlier rollouts."""
+    tokens = lengths.clamp_min(1.0)
+    efficiency = torch.where(rewards >= 0, rewards / tokens, rewards * tokens)
     return torch.sort(efficiency, dim=1, descending=True, stable=True).indices[:, :m]
 
 

@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 
-from pods.advantages import downsample, nanstd
+from pods.advantages import (
+    Downsampled,
+    aggregate_rewards,
+    difficulty_counts,
+    downsample,
+    nanstd,
+    zero_variance_groups,
+)
 from pods.auto_generations import AutoGenerations
 from pods.checkpoint import (
     STATE_FILE,
@@ -49,22 +56,28 @@ from pods.distributed import (
     synced_mean,
     synced_sum,
 )
-from pods.errors import ConfigError, NonFiniteError
+from pods.errors import ConfigError, NonFiniteError, PromptFilterExhausted
 from pods.evaluation import EvalResult, evaluate, next_evaluation_seconds
 from pods.interrupts import StopRequests, TrainingStopped
 from pods.metrics import JsonlLog, StepTimer, peak_memory_mb, read_jsonl, reward_metrics
 from pods.models import Policy, load_policy, load_reference, local_model_folder
 from pods.optimization import build_optimizer, build_scheduler
 from pods.progress import TrainingProgress
-from pods.prompt_filter import SampledGroups, fill_groups
+from pods.prompt_filter import (
+    Groups,
+    PassShare,
+    SampledGroups,
+    exhausted_message,
+    fill_groups,
+    next_round_size,
+)
 from pods.prompt_skip import (
     GresoSettings,
     PromptHistory,
-    SkippedPrompts,
     adapt_exploration,
     group_outcomes,
     record_outcomes,
-    skip_prompts,
+    round_prompts,
 )
 from pods.registries import check_names
 from pods.rollout import Rollouts, SamplingParams, build_engine, choose_engine
@@ -223,10 +236,20 @@ class PODSTrainer:
             top_k=cfg.top_k,
             stop_strings=tuple(cfg.stop_strings),
         )
-        self.prompts = PromptStream(
-            self.train_rows, cfg.prompts_per_step, cfg.seed, acc.process_index, acc.num_processes
-        )
-        self.greso = GresoSettings(cfg.prompt_skip_target) if cfg.prompt_skip == "greso" else None
+        self.prompts = PromptStream(self.train_rows, cfg.seed, acc.process_index, acc.num_processes)
+        self.greso = None
+        if cfg.prompt_skip == "greso":
+            self.greso = GresoSettings(
+                cfg.prompt_skip_target,
+                solved_mean=cfg.prompt_skip_solved_mean,
+                failed_mean=cfg.prompt_skip_failed_mean,
+            )
+        names = [reward_name(fn) for fn in reward_funcs]
+        if cfg.prompt_filter_reward != "total" and cfg.prompt_filter_reward not in names:
+            raise ConfigError(
+                f"prompt_filter_reward: {cfg.prompt_filter_reward!r} is not one of this run's reward functions "
+                f"({', '.join(names)}); use total (what the rules rank) or one of those names"
+            )
         if cfg.report_to:
             acc.init_trackers("pods", config={k: str(v) for k, v in cfg.to_dict().items()})
 
@@ -248,36 +271,23 @@ class PODSTrainer:
                 timer = StepTimer()
                 self._seed_step(state.step)
                 n = self.auto.current if self.auto else cfg.num_generations
-                candidates = self.prompts.candidates(state.step)  # the step's prompts, then refill draws
-                sampled = SampledGroups(cfg.prompt_filter, pad_id=self.tokenizer.pad_token_id or 0)
-                while self._generate_more(sampled):  # one round, or refill rounds for the prompt filter
-                    with timer("select"):  # 0. P prompts, skipping those predicted to give no signal
-                        prompts = self._choose_prompts(state, candidates, round_index=len(sampled.rounds))
-                    batch = [self.train_rows[index] for index in prompts.ids]
-                    with timer("generate"):  # 1. n completions per prompt
-                        rollouts = self.engine.generate(self._render(batch), n, self.sampling)
-                    with timer("score"):  # 2. one scalar reward per completion: [P, n]
-                        rewards, per_function = self._score(batch, rollouts)
-                    sampled.add(prompts.ids, rollouts, rewards, per_function, skipped=prompts.skipped)
-                with timer("select"):  # the step's P groups, those that passed the filter first
-                    groups = sampled.take(fill_groups(sampled.passed, cfg.prompts_per_step))
-                    chosen = downsample(  # 3. m of n per group, and 4. advantages over the kept
-                        groups.rewards,
-                        m,
-                        cfg.selection_rule,
-                        scale=cfg.scale_rewards,
-                        eps=cfg.advantage_eps,
-                        generator=self._selection_generator(state.step),
-                        gather=lambda values: gather(acc, values),
-                        lengths=groups.lengths,
-                    )
+                # 0-2. skip, generate n per prompt, score: one round, or the prompt filter's rounds
+                sampled = self._generate_groups(state, n, timer, stop, progress)
+                if sampled is None:  # a stop request during an unbounded filter's rounds: redone on resume
+                    break
+                with timer("select"):  # 3. m of n per group, and 4. advantages over the kept
+                    groups, chosen = self._select(state, sampled, m)
                     kept_rollouts = groups.rollouts.select(chosen.rows)
+                    trained = chosen.trained & groups.trained.unsqueeze(1)
                 with timer("update"):  # 5. the GRPO update on the kept rows only
-                    update = self._update(state, kept_rollouts, chosen.advantages.flatten())
+                    update = self._update(
+                        state, kept_rollouts, chosen.advantages.flatten(), trained.flatten()
+                    )
                 with timer("sync"):  # the engine samples the next step from the new weights (no-op for hf)
                     self.engine.sync_weights(acc.unwrap_model(self.model))
 
                 skip_metrics = self._remember_prompts(state, sampled)  # GRESO's history, from every process
+                state.prompts_drawn, state.pass_share = sampled.cursor, sampled.pass_share.to_state()
                 state.step += 1
                 state.train_seconds += synced_max(acc, timer.total)  # the slowest process sets the clock
                 everything = sampled.all  # metrics describe every group generated, over the refill rounds
@@ -286,11 +296,12 @@ class PODSTrainer:
                     timer,
                     everything.rollouts,
                     everything.rewards,
-                    chosen.rewards,
+                    chosen.rewards.masked_fill(~trained, float("nan")),
                     everything.per_function,
                     update,
+                    trained_groups=groups.trained,
                 )
-                metrics.update(self._filter_metrics(sampled, n), **skip_metrics)
+                metrics.update(self._stage_metrics(sampled, groups, chosen, trained), **skip_metrics)
                 self.metrics_log.append(metrics)
                 if self.auto:
                     self._auto_step(state, everything.rewards, everything.per_function, timer)
@@ -326,25 +337,135 @@ class PODSTrainer:
                 self.accelerator.end_training()
 
     # ------------------------------------------------------------------ step pieces
-    def _choose_prompts(self, state: TrainerState, candidates, round_index: int) -> SkippedPrompts:
-        """0. This round's P prompts: the next candidates, or with ``prompt_skip: greso`` those its history keeps
-        (draws seeded by seed, step, process and round, so that a resumed run skips the same)."""
-        if self.greso is None:
-            return SkippedPrompts(ids=next(candidates), skipped=0)
-        history = PromptHistory.from_state(state.prompt_history, self.greso)
-        generator = self._skip_generator(state.step, round_index)
-        return skip_prompts(candidates, history, self.greso, self.config.prompts_per_step, generator)
+    def _generate_groups(
+        self, state: TrainerState, n: int, timer: StepTimer, stop: StopRequests, progress: TrainingProgress
+    ) -> SampledGroups | None:
+        """Stages 0-2, the producer of a step: rounds of prompts drawn from the stream (GRESO skipping some),
+        n completions each, scored. One round without a prompt filter; with one, rounds sized to what is
+        missing until every process has P groups that pass or ``max_num_gen_batches`` rounds ran. Every process
+        runs the same rounds of the same size (engines and reward gathering may need all of them). Nothing in
+        ``state`` changes here: the loop commits the stream's cursor and the pass share once the step is done.
+        None when a stop request ends an unbounded filter's rounds."""
+        cfg, acc = self.config, self.accelerator
+        wanted = cfg.prompts_per_step
+        sampled = SampledGroups(cfg.prompt_filter, pad_id=self.tokenizer.pad_token_id or 0)
+        sampled.cursor = state.prompts_drawn if state.prompts_drawn is not None else state.step * wanted
+        start = PassShare.from_state(state.pass_share)
+        history = PromptHistory.from_state(state.prompt_history, self.greso) if self.greso else None
+        most = (lambda value: int(synced_max(acc, value))) if acc.num_processes > 1 else (lambda value: value)
 
-    def _generate_more(self, sampled: SampledGroups) -> bool:
-        """Whether the step runs another round of stages 0-2: the first always; with a ``prompt_filter``, while
-        any process has fewer than P groups that pass and fewer than ``max_num_gen_batches`` rounds ran (every
-        process runs the same rounds: engines and reward gathering may need all of them)."""
+        def draw(count: int) -> list[int]:
+            ids = self.prompts.draw(sampled.cursor, count)
+            sampled.cursor += count
+            return ids
+
+        while True:
+            passed, drawn = synced_sum(acc, torch.tensor([sampled.num_passed, sampled.drawn])).tolist()
+            sampled.pass_share = start.plus(int(passed), int(drawn))
+            size = next_round_size(
+                rounds_run=len(sampled.rounds),
+                wanted=wanted,
+                missing=most(wanted - sampled.num_passed),
+                share=sampled.pass_share.share,
+                prompt_filter=cfg.prompt_filter,
+                max_num_gen_batches=cfg.max_num_gen_batches,
+                generation_batch_prompts=cfg.generation_batch_prompts,
+                multiple=self.engine.round_multiple(n),
+            )
+            if size == 0:
+                return sampled
+            if cfg.max_num_gen_batches == 0 and sampled.rounds:
+                if stop.agreed():  # no bound: a stop request must be able to end the rounds
+                    return None
+                if len(sampled.rounds) % 8 == 0:
+                    progress.message(
+                        f"step {state.step + 1}: {len(sampled.rounds)} generation rounds so far, "
+                        f"{sampled.num_passed} of {wanted} groups with a spread (max_num_gen_batches: 0, no bound)"
+                    )
+            with timer("select"):  # 0. the round's prompts, skipping those predicted to give no signal
+                prompts = round_prompts(
+                    draw,
+                    size,
+                    settings=self.greso,
+                    history=history,
+                    generator=self._skip_generator(state.step, len(sampled.rounds)),
+                    mode=cfg.prompt_skip_mode,
+                    most=most,
+                )
+            batch = [self.train_rows[index] for index in prompts.ids]
+            with timer("generate"):  # 1. n completions per prompt
+                rollouts = self.engine.generate(self._render(batch), n, self.sampling)
+            with timer("score"):  # 2. one reward per completion: [prompts, n]
+                rewards, per_function = self._score(batch, rollouts)
+                ranked, signal = self._ranked_and_signal(rewards, per_function)
+            sampled.add(
+                prompts.ids,
+                rollouts,
+                rewards,
+                per_function,
+                ranked=ranked,
+                signal=signal,
+                skipped=prompts.skipped,
+                drawn=size,
+            )
+
+    def _ranked_and_signal(
+        self, rewards: torch.Tensor, per_function: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What the rules rank and the advantages use (None: the weighted sum; with ``normalize_then_sum`` the sum
+        of each function's group-normalised rewards), and what the prompt stages read (None: the same; else the
+        ``prompt_filter_reward`` function's rewards)."""
         cfg = self.config
-        if not sampled.rounds:
-            return True
-        if cfg.prompt_filter == "none" or len(sampled.rounds) >= cfg.max_num_gen_batches:
-            return False
-        return synced_any(self.accelerator, sampled.num_passed < cfg.prompts_per_step)
+        ranked = None
+        if cfg.multi_objective_aggregation == "normalize_then_sum":
+            components, weights = self._reward_components(per_function)
+            ranked = aggregate_rewards(components, weights, "normalize_then_sum", cfg.advantage_eps)
+        signal = None if cfg.prompt_filter_reward == "total" else per_function[cfg.prompt_filter_reward]
+        return ranked, signal
+
+    def _reward_components(self, per_function: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[G, n, F]`` each reward function's rewards, and their ``[F]`` weights."""
+        weights = self.config.reward_weights or [1.0] * len(per_function)
+        return torch.stack(list(per_function.values()), dim=2), torch.tensor(weights, dtype=torch.float64)
+
+    def _select(self, state: TrainerState, sampled: SampledGroups, m: int) -> tuple[Groups, Downsampled]:
+        """3-4. The groups the step trains on (those that passed the filter first; past the bound as
+        ``prompt_filter_exhausted`` says), m (or a difficulty's k) of each, and their advantages."""
+        cfg, acc = self.config, self.accelerator
+        exhausted = cfg.prompt_filter_exhausted if cfg.prompt_filter != "none" else "pad"
+        if exhausted == "error" and synced_any(acc, sampled.num_passed < cfg.prompts_per_step):
+            checkpoint = self._save(state)  # every process: the last completed step, to resume from
+            raise PromptFilterExhausted(
+                f"{exhausted_message(sampled.num_passed, cfg.prompts_per_step)}. The last completed step "
+                f"({state.step}) is saved in {checkpoint}: resume with resume_from: auto"
+            )
+        taken = fill_groups(sampled.passed, cfg.prompts_per_step, exhausted)
+        groups = sampled.take(taken.positions, trained=taken.trained)
+        counts = None
+        if cfg.num_generations_kept_by_difficulty:  # GFPO: k per group from its mean reward's quartile
+            means = gather(acc, groups.rewards.nanmean(dim=1))
+            mine = slice(
+                acc.process_index * len(taken.positions), (acc.process_index + 1) * len(taken.positions)
+            )
+            counts = difficulty_counts(means.cpu(), cfg.num_generations_kept_by_difficulty)[mine]
+        components = weights = None
+        if cfg.multi_objective_aggregation == "normalize_then_sum":
+            components, weights = self._reward_components(groups.per_function)
+        chosen = downsample(
+            groups.ranked,
+            m,
+            cfg.selection_rule,
+            scale=cfg.scale_rewards,
+            eps=cfg.advantage_eps,
+            generator=self._selection_generator(state.step),
+            gather=lambda values: gather(acc, values),
+            lengths=groups.lengths,
+            kept_counts=counts,
+            keep_signal=cfg.prompt_filter != "none",
+            components=components,
+            weights=weights,
+        )
+        return groups, chosen
 
     def _remember_prompts(self, state: TrainerState, sampled: SampledGroups) -> dict[str, float]:
         """``prompt_skip: greso``: add every process's groups of this step to the per-prompt history, adapt the
@@ -352,36 +473,60 @@ class PODSTrainer:
         if self.greso is None:
             return {}
         acc = self.accelerator
-        outcomes = gather(acc, group_outcomes(sampled.rewards, self.greso.solved_reward)).tolist()
+        outcomes = gather(acc, group_outcomes(sampled.filter_rewards, self.greso)).tolist()
         ids = gather(acc, torch.tensor(sampled.ids, dtype=torch.long)).tolist()
         history = record_outcomes(PromptHistory.from_state(state.prompt_history, self.greso), ids, outcomes)
-        if self.prompts.epoch(state.step) >= 1:
+        drawn_before = (
+            state.prompts_drawn
+            if state.prompts_drawn is not None
+            else state.step * self.config.prompts_per_step
+        )
+        if self.prompts.epoch(drawn_before) >= 1:  # as GRESO: past the first epoch
             history = adapt_exploration(history, outcomes, self.greso)
         state.prompt_history = history.to_state()
         skipped = int(synced_sum(acc, torch.tensor(sampled.skipped)))
+        shrinks = (
+            self.config.prompt_skip_mode == "shrink"
+        )  # replace mode generates another prompt for each skip
         return {
             "pods/skip/prompts_skipped": skipped,
-            "pods/skip/rollouts_saved": skipped * sampled.rounds[0].rewards.shape[1],
+            "pods/skip/rollouts_saved": skipped * sampled.rounds[0].rewards.shape[1] if shrinks else 0,
             "pods/skip/exploration_solved": state.prompt_history["exploration_solved"],
             "pods/skip/exploration_failed": state.prompt_history["exploration_failed"],
         }
 
-    def _filter_metrics(self, sampled: SampledGroups, n: int) -> dict[str, float]:
-        """``prompt_filter``: rounds run, groups dropped, rollouts generated in refill rounds, and groups trained on
-        without a signal because the bound was hit, summed over processes."""
-        if self.config.prompt_filter == "none":
-            return {}
-        wanted, passed = self.config.prompts_per_step, sampled.num_passed
-        unfilled = max(wanted - passed, 0)  # slots filled with groups that failed the filter
+    def _stage_metrics(
+        self, sampled: SampledGroups, groups: Groups, chosen: Downsampled, trained: torch.Tensor
+    ) -> dict[str, float]:
+        """Rollouts generated (every round, every process) and groups trained with a signal, so that rollouts per
+        useful group can be read from any run; with a ``prompt_filter`` its rounds, drops and shortfall; with a
+        length rule under a filter, the groups whose signal a swap restored."""
+        acc, cfg = self.accelerator, self.config
+        kept = chosen.rewards.masked_fill(~trained, float("nan"))
+        with_signal = int((groups.trained & ~zero_variance_groups(kept)).sum())
+        first = len(sampled.rounds[0].rollouts)
+        counts = [sampled.num_rollouts, with_signal, sampled.num_rollouts - first, chosen.signal_restored]
+        generated, with_signal, extra, restored = synced_sum(acc, torch.tensor(counts)).tolist()
+        metrics = {
+            "pods/rollouts_generated": int(generated),
+            "pods/groups_trained_with_signal": int(with_signal),
+        }
+        if cfg.prompt_filter == "none":
+            return metrics
+        wanted, passed = cfg.prompts_per_step, sampled.num_passed
+        unfilled = max(wanted - passed, 0)  # slots without a group that passed (train_fewer: left out)
         failed = len(sampled.ids) - passed
-        extra = (len(sampled.rounds) - 1) * wanted * n
-        counts = torch.tensor([failed - unfilled, extra, unfilled])
-        dropped, extra, unfilled = synced_sum(self.accelerator, counts).tolist()
+        dropped, unfilled = synced_sum(acc, torch.tensor([failed - unfilled, unfilled])).tolist()
+        share = sampled.pass_share.share
         return {
+            **metrics,
             "pods/filter/num_gen_batches": len(sampled.rounds),
+            "pods/filter/first_round_prompts": len(sampled.rounds[0].rewards),
             "pods/filter/groups_dropped": int(dropped),
             "pods/filter/extra_rollouts": int(extra),
             "pods/filter/groups_unfilled": int(unfilled),
+            "pods/filter/pass_share": float("nan") if share is None else share,
+            "pods/selection/signal_restored": int(restored),
         }
 
     def _render(self, batch: list[dict[str, Any]]) -> list[str]:
@@ -411,8 +556,10 @@ class PODSTrainer:
         shape = (len(batch), n)
         return total.view(shape), {name: values.view(shape) for name, values in per_function.items()}
 
-    def _update(self, state: TrainerState, batch: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
-        """5. Gradient steps on the kept rows (:func:`pods.update.policy_update`)."""
+    def _update(
+        self, state: TrainerState, batch: Rollouts, advantages: torch.Tensor, trained: torch.Tensor
+    ) -> dict[str, float]:
+        """5. Gradient steps on the kept rows that carry weight (:func:`pods.update.policy_update`)."""
         guard = NonFiniteGuard(state, self.config.max_consecutive_skips, self.checkpoint_root)
         return policy_update(
             self.accelerator,
@@ -424,6 +571,7 @@ class PODSTrainer:
             self.config,
             guard,
             reference=self.reference,
+            trained=trained,
         )
 
     # ------------------------------------------------------------------ metrics
@@ -436,16 +584,22 @@ class PODSTrainer:
         kept_rewards: torch.Tensor,
         per_function: dict[str, torch.Tensor],
         update: dict[str, float],
+        trained_groups: torch.Tensor,
     ) -> dict[str, Any]:
+        """The step's row of metrics.jsonl: rewards of every group generated and of the kept rows of the groups
+        trained on (``kept_rewards`` NaN where a position is not trained), lengths, timings, memory."""
         acc = self.accelerator
         everywhere = lambda t: gather(acc, t).cpu()  # noqa: E731 - equal shapes on every process
-        all_rewards, kept = everywhere(rewards), everywhere(kept_rewards)
+        all_rewards = everywhere(rewards)
+        kept = everywhere(kept_rewards)[everywhere(trained_groups.to(acc.device)).bool()]
         lengths = everywhere(rollouts.completion_mask.sum(dim=1).double())
         truncated = everywhere(rollouts.truncated.double())
         step_seconds = synced_max(acc, timer.total)
         metrics: dict[str, Any] = {
             "step": state.step,
-            "epoch": round(self.prompts.epoch(state.step), 4),
+            "epoch": round(
+                self.prompts.epoch(state.prompts_drawn), 4
+            ),  # every prompt drawn, refills included
             "train_seconds": state.train_seconds,  # unrounded: the schedules compare against this exact clock
             "num_generations": rewards.shape[1],
             **reward_metrics(all_rewards, kept),

@@ -11,6 +11,7 @@ skips the optimizer step (:class:`NonFiniteGuard`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,18 +85,36 @@ def policy_update(
     config: TrainConfig,
     guard: NonFiniteGuard,
     reference: torch.nn.Module | None = None,
+    trained: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Gradient steps on the kept rows ``batch`` with their ``advantages`` [rows]: micro-batches accumulated,
-    ``num_iterations`` passes; returns the step's loss metrics (averaged over every process)."""
+    ``num_iterations`` passes; returns the step's loss metrics (averaged over every process).
+
+    ``trained[rows]`` (default: all) marks the rows the loss weighs; the others (groups a step trains without:
+    ``train_fewer``, fillers of an adaptive k) are left out, except as many as keep every one of the
+    ``gradient_accumulation_steps`` micro-batches non-empty, and those weigh nothing (no tokens in the loss).
+    Fewer rows make smaller micro-batches, never fewer: accelerate, DeepSpeed and FSDP count them. With no
+    trained row on any process there is nothing to learn: no optimizer or scheduler step, as for a skipped
+    non-finite step."""
     cfg, acc = config, accelerator
     device = acc.device
+    num_parts = acc.gradient_accumulation_steps
+    if trained is None:
+        trained = torch.ones(len(batch), dtype=torch.bool)
+    if not synced_any(acc, bool(trained.any())):
+        return {"loss": 0.0, **dict.fromkeys(LOSS_STATISTICS, 0.0), "grad_norm": 0.0}
+    order = training_rows(trained.cpu(), num_parts)
+    weighs = trained.cpu()[order] & first_occurrences(order)
+    batch = batch.select(order) if order.numel() != len(batch) or not bool(weighs.all()) else batch
+    advantages = advantages.cpu()[order].to(device=device, dtype=torch.float32)
     prompt_ids, prompt_mask = batch.prompt_ids.to(device), batch.prompt_mask.to(device)
-    completion_ids, mask = batch.completion_ids.to(device), batch.completion_mask.to(device)
-    advantages = advantages.to(device=device, dtype=torch.float32)
-    rows, micro = completion_ids.shape[0], cfg.micro_batch_size
+    completion_ids = batch.completion_ids.to(device)
+    mask = (batch.completion_mask * weighs.unsqueeze(1).to(batch.completion_mask)).to(device)
     temperature = cfg.temperature if cfg.temperature > 0 else 1.0
-    # dapo divides by the tokens of the whole batch across processes; DDP averages gradients.
+    # dapo divides by the tokens of the whole batch across processes, grpo and dr_grpo by its sequences; DDP
+    # averages gradients, so both are counted per process.
     total_tokens = synced_sum(acc, mask.sum().double()) / acc.num_processes
+    total_sequences = float(synced_sum(acc, weighs.sum().double()) / acc.num_processes)
 
     def logprobs_of(net: torch.nn.Module, part: slice, **truncation: Any) -> torch.Tensor:
         return completion_logprobs(
@@ -108,7 +127,7 @@ def policy_update(
             **truncation,
         )
 
-    parts = [slice(start, start + micro) for start in range(0, rows, micro)]
+    parts = split_evenly(completion_ids.shape[0], num_parts)
     sampling_logprobs = batch.sampling_logprobs
     correct = cfg.vllm_importance_sampling_correction and sampling_logprobs is not None
     # Old and reference log-probs: always in evaluation mode (no dropout), at every step. The first pass
@@ -170,7 +189,7 @@ def policy_update(
                     epsilon_high=cfg.epsilon_high,
                     beta=cfg.beta,
                     loss_type=cfg.loss_type,
-                    total_sequences=rows,
+                    total_sequences=total_sequences,
                     total_tokens=float(total_tokens),
                     max_completion_length=cfg.max_completion_length,
                 )
@@ -202,11 +221,43 @@ def policy_update(
     # TRL's names: how far the sampler's log-probs are from the trainer's, over all processes
     if mismatch:
         ratios = [
-            (w.sum() / mask[slice(s, s + micro)].sum().clamp_min(1)).item()
-            for s, w in sampler_weights.items()
+            (sampler_weights[part.start].sum() / mask[part].sum().clamp_min(1)).item()
+            for part in parts
+            if part.start in sampler_weights and bool(mask[part].any())
         ]
         totals = torch.tensor([sum(mismatch), len(mismatch), sum(ratios), len(ratios)], dtype=torch.float64)
         totals = synced_sum(acc, totals.to(device)).cpu()
         means["sampling/sampling_logp_difference/mean"] = float(totals[0] / totals[1])
         means["sampling/importance_sampling_ratio/mean"] = float(totals[2] / totals[3])
     return {"loss": loss, **means, "grad_norm": sum(grad_norms) / len(grad_norms)}
+
+
+def training_rows(trained: torch.Tensor, num_parts: int) -> torch.Tensor:
+    """``LongTensor``: the rows to run, in order: every trained row, then untrained ones (repeated if need be)
+    until there is at least one row per micro-batch."""
+    rows = trained.nonzero().flatten()
+    missing = num_parts - rows.numel()
+    if missing > 0:
+        others = (~trained).nonzero().flatten()
+        pool = others if others.numel() else torch.arange(trained.numel())
+        rows = torch.cat([rows, pool.repeat(-(-missing // pool.numel()))[:missing]]).sort().values
+    return rows
+
+
+def first_occurrences(order: torch.Tensor) -> torch.Tensor:
+    """``BoolTensor``: True at the first occurrence of each value of ``order`` (a repeated filler row weighs nothing)."""
+    seen: set[int] = set()
+    first = []
+    for value in order.tolist():
+        first.append(value not in seen)
+        seen.add(value)
+    return torch.tensor(first, dtype=torch.bool)
+
+
+def split_evenly(rows: int, num_parts: int) -> list[slice]:
+    """``num_parts`` contiguous slices of ``rows`` rows, sizes differing by at most one (none empty if rows allow)."""
+    size, extra = divmod(rows, num_parts)
+    bounds = [0]
+    for part in range(num_parts):
+        bounds.append(bounds[-1] + size + (part < extra))
+    return [slice(start, end) for start, end in itertools.pairwise(bounds) if end > start]

@@ -90,9 +90,15 @@ class RecordingTrainer(PODSTrainer):
         )
         return rewards, per_function
 
-    def _update(self, state, batch, advantages):
-        self.updates.append({"texts": list(batch.texts), "advantages": advantages.tolist()})
-        return super()._update(state, batch, advantages)
+    def _update(self, state, batch, advantages, trained):
+        self.updates.append(
+            {"texts": list(batch.texts), "advantages": advantages.tolist(), "trained": trained.tolist()}
+        )
+        return super()._update(state, batch, advantages, trained)
+
+    def first_prompts(self) -> list[dict]:
+        """The rows of the first step's first round (the stream's first draw)."""
+        return [self.train_rows[i] for i in self.prompts.draw(0, self.config.prompts_per_step)]
 
 
 def nan_on(calls: set[int]):
@@ -125,7 +131,7 @@ def main() -> None:
         reward_funcs=[REWARDS[os.environ.get("TINY_RUN_REWARD", "count_of_a")]],
         train_dataset=tiny_dataset(int(os.environ.get("TINY_RUN_DATASET_SIZE", "64"))),
     )
-    first_prompt = trainer.prompts.batch(0)[0]["question"]
+    first_prompt = trainer.first_prompts()[0]["question"]
     print(f"distributed: {trainer.accelerator.distributed_type.value}", flush=True)
     try:
         result = trainer.train()

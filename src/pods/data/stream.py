@@ -1,9 +1,14 @@
-"""The prompts of each training step, as a pure function of the step: exact resume needs no data state."""
+"""The training prompts, drawn in order from a cursor: exact resume needs only the cursor, an integer.
+
+Epoch e visits the rows in a permutation seeded by (seed, e). Every draw takes the next block of the stream:
+each process draws the same count, process r of W its own consecutive slice of the block, so no prompt is on
+two processes at once and the cursor (prompts drawn per process) is the same everywhere. A step's first round,
+its refill rounds and the candidates GRESO skips all come from this one stream, so the epoch counts every
+prompt drawn and each prompt comes back once per epoch.
+"""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -14,43 +19,25 @@ __all__ = ["PromptStream", "refill_order"]
 
 
 class PromptStream:
-    """Epoch e visits the rows in a permutation seeded by (seed, e); process r of W takes its own
-    ``prompts_per_step`` consecutive prompts of the step's global slice. Refill rounds (a prompt filter
-    or skipped prompts) draw further candidates from a permutation seeded by (seed, step)."""
+    """Draws of dataset positions: ``draw(cursor, count)`` is this process's ``count`` prompts of the block
+    that starts after ``cursor`` prompts per process were drawn."""
 
-    def __init__(self, rows: list[dict[str, Any]], prompts_per_step: int, seed: int, rank: int, world: int):
+    def __init__(self, rows: list[dict[str, Any]], seed: int, rank: int = 0, world: int = 1):
         if not rows:
             raise ConfigError(
                 "the training set is empty (check task, task_source, train_limit, max_prompt_length)"
             )
-        self.rows, self.per_step, self.seed, self.rank, self.world = rows, prompts_per_step, seed, rank, world
+        self.rows, self.seed, self.rank, self.world = rows, seed, rank, world
         self._orders: dict[int, list[int]] = {}
 
-    def batch(self, step: int) -> list[dict[str, Any]]:
-        """This process's prompts (dataset rows) for ``step``."""
-        return [self.rows[index] for index in self.indices(step)]
+    def draw(self, cursor: int, count: int) -> list[int]:
+        """Positions in the dataset of this process's ``count`` prompts after ``cursor`` draws per process."""
+        first = cursor * self.world + self.rank * count
+        return [self._index(position) for position in range(first, first + count)]
 
-    def indices(self, step: int) -> list[int]:
-        """Positions in the dataset of this process's prompts for ``step``."""
-        return self._slice(step, self.rank)
-
-    def candidates(self, step: int) -> Iterator[list[int]]:
-        """This process's candidate prompts for ``step``, ``prompts_per_step`` at a time, without end: its own
-        prompts, then refill draws that no process has among the step's prompts and no other process draws."""
-        yield self.indices(step)
-        taken = {index for rank in range(self.world) for index in self._slice(step, rank)}
-        order = refill_order(len(self.rows), self.seed, step, exclude=taken)
-        for chunk in itertools.count():
-            first = (chunk * self.world + self.rank) * self.per_step
-            yield [order[(first + k) % len(order)] for k in range(self.per_step)]
-
-    def epoch(self, step: int) -> float:
-        """Passes over the training set completed before ``step`` (over every process)."""
-        return step * self.world * self.per_step / len(self.rows)
-
-    def _slice(self, step: int, rank: int) -> list[int]:
-        first = (step * self.world + rank) * self.per_step
-        return [self._index(position) for position in range(first, first + self.per_step)]
+    def epoch(self, cursor: int) -> float:
+        """Passes over the training set drawn so far (every process, skipped prompts included)."""
+        return cursor * self.world / len(self.rows)
 
     def _index(self, position: int) -> int:
         epoch, offset = divmod(position, len(self.rows))
@@ -60,12 +47,8 @@ class PromptStream:
         return self._orders[epoch][offset]
 
 
-def refill_order(
-    num_rows: int, seed: int, step: int, exclude: set[int] | frozenset[int] = frozenset()
-) -> list[int]:
-    """The order in which a step's refill rounds draw prompts: a permutation of ``range(num_rows)`` seeded by
-    (seed, step), without ``exclude`` unless that would leave nothing (a dataset smaller than one step)."""
+def refill_order(num_rows: int, seed: int, step: int) -> list[int]:
+    """A permutation of ``range(num_rows)`` seeded by (seed, step): the order in which the TRL drop-in, which does
+    not own the main stream of prompts, draws a generation's further prompts."""
     generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_033 + 17)
-    order = torch.randperm(num_rows, generator=generator).tolist()
-    rest = [index for index in order if index not in exclude]
-    return rest or order
+    return torch.randperm(num_rows, generator=generator).tolist()

@@ -255,6 +255,13 @@ def cut_after_stop(text: str, stop_strings: tuple[str, ...]) -> str:
     return text[: min(ends)] if ends else text
 
 
+def batch_multiple(on_gpu: bool, rows_per_batch: int, num_generations: int) -> int:
+    """Prompts per round are rounded up to a multiple of this: on a GPU, the prompts whose n completions fill one
+    batch of the engine (decoding is memory-bound there, so a full batch costs about what a partial one does);
+    on a CPU 1, since every row costs its own share of the time."""
+    return max(1, rows_per_batch // num_generations) if on_gpu else 1
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Anything that samples completions for the trainer (HF ``generate`` or vLLM)."""
@@ -265,4 +272,8 @@ class RolloutEngine(Protocol):
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the engine sample from ``model``'s current weights (a no-op when it shares them)."""
+        ...
+
+    def round_multiple(self, num_generations: int) -> int:
+        """What a generation round's prompt count is rounded up to (:func:`batch_multiple`)."""
         ...

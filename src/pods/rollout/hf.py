@@ -11,6 +11,7 @@ from pods.errors import ConfigError
 from pods.rollout.base import (
     Rollouts,
     SamplingParams,
+    batch_multiple,
     cut_after_stop,
     eos_token_ids,
     left_pad,
@@ -123,6 +124,11 @@ class HFGenerateEngine:
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """No-op: generation runs on the model object itself, so it always sees the current weights."""
+
+    def round_multiple(self, num_generations: int) -> int:
+        """Prompts filling one chunk of ``generation_batch_size`` completions on a GPU, else 1 (:func:`batch_multiple`)."""
+        on_gpu = next(self.model.parameters()).device.type == "cuda"
+        return batch_multiple(on_gpu, self.generation_batch_size, num_generations)
 
     def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
         """``num_generations`` completions of each prompt, prompt-major (row ``p * n + i``)."""

@@ -42,6 +42,7 @@ import torch
 from pods.rollout.base import (
     Rollouts,
     SamplingParams,
+    batch_multiple,
     cut_after_stop,
     eos_token_ids,
     left_pad,
@@ -60,6 +61,7 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # vLLM's memory profiler reserves activation memory for this many tokens per forward; its default (a few
 # times larger) makes it conclude that a colocated engine has no room for a KV cache. TRL pins 4096 too.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+VLLM_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs on a GPU: the sequences one engine step batches
 CPU_NUMA_NOTICE = r"Warning: NUMA binding: Using MEMBIND policy"  # information, not a problem
 # vLLM keeps its parallel groups process-wide and tears them down when an engine is freed, which would
 # break an engine built before that: one live engine per process (a new one closes the previous one).
@@ -225,6 +227,10 @@ class VLLMEngine:
             self.llm.sleep(level=2)
             self._weights_asleep = True
         self.sync_weights(model)
+
+    def round_multiple(self, num_generations: int) -> int:
+        """Prompts filling vLLM's default batch of sequences (``max_num_seqs``) on a GPU, else 1."""
+        return batch_multiple(self.on_gpu, VLLM_MAX_NUM_SEQS, num_generations)
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model: torch.nn.Module) -> None:
