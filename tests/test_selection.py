@@ -189,7 +189,12 @@ def test_bad_input_gets_a_clear_error(rewards: object, m: object, rule: str, mes
         select(rewards, m, rule)  # type: ignore[arg-type]
 
 
-def test_registered_rule_is_used_and_validated() -> None:
+def test_registered_rule_is_used_and_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pods.selection
+
+    # the registry is process-wide: the broken rules below must not reach later tests (pods demo lists every rule)
+    monkeypatch.setattr(pods.selection, "_RULES", dict(pods.selection._RULES))
+
     def lowest(rewards: torch.Tensor, m: int, generator: torch.Generator | None) -> torch.Tensor:
         return rewards.argsort(dim=1)[:, :m]
 

@@ -550,7 +550,7 @@ def test_two_processes_each_filter_and_skip_their_own_groups(tiny_model_dir: Pat
     never overlap, and the weights stay identical."""
     settings = {"max_steps": 3, **FILTER_AND_SKIP}
     command, env = two_process_launch(tiny_model_dir, tmp_path, settings)
-    env.update(TINY_RUN_REWARD="half_constant", TINY_RUN_DATASET_SIZE="12")
+    env.update(TINY_RUN_REWARD="half_constant", TINY_RUN_DATASET_SIZE="40")
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     rank0, rank1 = (torch.load(tmp_path / f"weights-rank{rank}.pt") for rank in (0, 1))
@@ -559,12 +559,17 @@ def test_two_processes_each_filter_and_skip_their_own_groups(tiny_model_dir: Pat
     steps = [[[r for r in record["scored"] if r["step"] == step] for step in range(3)] for record in records]
     n, m, wanted = TINY_SETTINGS["num_generations"], TINY_SETTINGS["num_generations_kept"], 2
     rows = read_jsonl(tmp_path / "metrics.jsonl")
+    within_an_epoch = 0
     for step, row in enumerate(rows):
         assert len(steps[0][step]) == len(steps[1][step]) == row["pods/filter/num_gen_batches"]
         sizes = [[len(r["questions"]) for r in steps[rank][step]] for rank in (0, 1)]
         assert sizes[0] == sizes[1], sizes
         questions = [{q for r in steps[rank][step] for q in r["questions"]} for rank in (0, 1)]
-        assert not questions[0] & questions[1], "the processes generated for the same prompt in one step"
+        drawn_before = round(rows[step - 1]["epoch"] * 40 / 2) if step else 0  # the stream's cursor
+        drawn_after = round(row["epoch"] * 40 / 2)
+        if drawn_before * 2 // 40 == (drawn_after * 2 - 1) // 40:  # within one epoch each prompt comes once
+            assert not questions[0] & questions[1], "the processes generated for the same prompt in one step"
+            within_an_epoch += 1
         dropped = 0
         for rank in (0, 1):
             rewards = torch.cat([torch.tensor(r["rewards"], dtype=torch.float64) for r in steps[rank][step]])
@@ -579,3 +584,4 @@ def test_two_processes_each_filter_and_skip_their_own_groups(tiny_model_dir: Pat
             dropped += len(passed) - int(passed.sum()) - (wanted - int(passed[groups].sum()))
         assert row["pods/filter/groups_dropped"] == dropped
     assert sum(row["pods/filter/groups_dropped"] for row in rows) > 0
+    assert within_an_epoch > 0, "every step crossed an epoch: the overlap was never checked"

@@ -150,7 +150,7 @@ def test_past_the_bound_a_step_trains_fewer_pads_or_stops(
     before = trainable(trainer)
     if exhausted == "error":
         with pytest.raises(
-            PromptFilterExhausted, match="max_num_gen_batches.*prompt_filter_exhausted"
+            PromptFilterExhausted, match=r"max_num_gen_batches.*prompt_filter_exhausted"
         ) as error:
             trainer.train()
         assert "step-0000000" in str(error.value)

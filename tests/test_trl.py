@@ -21,8 +21,9 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from pods.advantages import group_advantages, zero_variance_groups
+from pods.errors import PromptFilterExhausted
 from pods.integrations.trl import (
-    PROMPT_SKIP_STATE_FILE,
+    PROMPT_STAGES_STATE_FILE,
     PODSConfig,
     PODSTrainer,
     advantage_scale,
@@ -32,7 +33,7 @@ from pods.integrations.trl import (
     summed_rewards,
     take_rows,
 )
-from pods.prompt_filter import fill_groups
+from pods.prompt_filter import PassShare, fill_groups, next_round_size
 from pods.selection import register_rule, select
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -109,11 +110,37 @@ def test_misconfigured_batch_fails_when_the_config_is_built(tmp_path: Path) -> N
         ({"num_generations_kept": 1}, r"m=1 gives no signal"),
         ({"selection_rule": "best"}, r"unknown selection_rule 'best'; known rules: max_variance"),
         ({"selection_rule": "all", "num_generations_kept": 2}, r"'all' keeps every completion"),
-        ({"multi_objective_aggregation": "normalize_then_sum"}, r"sum_then_normalize"),
         ({"prompt_filter": "mean"}, r"unknown prompt_filter 'mean'; choose one of none, nonzero_std"),
         ({"prompt_skip": "always"}, r"unknown prompt_skip 'always'; choose one of none, greso"),
-        ({"max_num_gen_batches": 0}, r"max_num_gen_batches must be an int of at least 1"),
+        ({"prompt_skip_mode": "drop"}, r"unknown prompt_skip_mode 'drop'; choose one of shrink, replace"),
+        ({"prompt_filter_exhausted": "wait"}, r"unknown prompt_filter_exhausted 'wait'"),
+        (
+            {"max_num_gen_batches": -1},
+            r"max_num_gen_batches must be an int of at least 1 .* or 0 for no bound",
+        ),
         ({"prompt_skip_target": 1.5}, r"prompt_skip_target must be in \[0, 1\)"),
+        ({"generation_batch_prompts": "auto"}, r"generation_batch_prompts: oversamples .* set prompt_filter"),
+        (
+            {"prompt_filter": "nonzero_std", "generation_batch_prompts": 1},
+            r"generation_batch_prompts: must be null, auto, or a number of prompts of at least",
+        ),
+        (
+            {"num_generations_kept": 2, "num_generations_kept_by_difficulty": [2, 3, 3, 3]},
+            r"num_generations_kept_by_difficulty: must list 4 counts .* each from 2 to num_generations_kept \(2\)",
+        ),
+        (
+            {"prompt_skip": "greso", "prompt_skip_solved_mean": 0.1, "prompt_skip_failed_mean": 0.2},
+            r"failed_mean",
+        ),
+        (
+            {"prompt_filter": "nonzero_std", "loss_type": "grpo"},
+            r"prompt_filter_exhausted='train_fewer' leaves rows out .* loss_type='grpo' .* "
+            r"or prompt_filter_exhausted='pad'",
+        ),
+        (
+            {"prompt_skip": "greso", "loss_type": "bnpo"},
+            r"prompt_skip_mode='shrink' leaves rows out .* or prompt_skip_mode='replace'",
+        ),
     ],
 )
 def test_config_rejects_bad_pods_fields(tmp_path: Path, overrides: dict, message: str) -> None:
@@ -279,17 +306,27 @@ def half_constant_reward(completion_ids: list[list[int]], number: list[int], **k
     return [1.0 if k % 2 == 0 else float(sum(ids) % 4) for ids, k in zip(completion_ids, number, strict=True)]
 
 
-def test_prompt_filter_generates_again_until_every_group_has_a_spread(tiny_model_dir, tmp_path) -> None:
-    """One generation batch with dynamic sampling: TRL generates again for more prompts while groups have
-    all-equal rewards; the batch is the first 4 groups with a spread, m of each kept, checked row by row."""
+def recording_rewards():
+    """A reward (half_constant_reward) that records every completion and prompt number it scores, and each call's
+    number of groups of 4 (one call per generation round)."""
     seen: list[list[int]] = []
     numbers: list[int] = []
+    calls: list[int] = []
 
     def recording(completion_ids, number, **kwargs):
         seen.extend(completion_ids)
         numbers.extend(number)
+        calls.append(len(number) // 4)
         return half_constant_reward(completion_ids, number)
 
+    return recording, seen, numbers, calls
+
+
+def test_prompt_filter_rounds_are_sized_to_the_shortfall_in_trl(tiny_model_dir, tmp_path) -> None:
+    """One generation batch with dynamic sampling: TRL generates again for more prompts while fewer than 4 groups
+    have a spread, each refill sized to the shortfall (replayed with the pure functions), never repeating a prompt
+    of the batch; the batch is the first 4 groups with a spread, m of each kept, checked row by row."""
+    recording, seen, numbers, calls = recording_rewards()
     args = tiny_args(
         PODSConfig,
         tmp_path,
@@ -302,12 +339,25 @@ def test_prompt_filter_generates_again_until_every_group_has_a_spread(tiny_model
     trainer.model.train()
     batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
     rewards = torch.tensor(half_constant_reward(seen, numbers)).view(-1, 4)  # every round's groups
-    rounds = rewards.shape[0] // 4
     passed = ~zero_variance_groups(rewards)
-    assert rounds > 1, "no group of the first round had all-equal rewards: the refill was not exercised"
-    assert int(passed[:-4].sum()) < 4, "a round ran after 4 groups had passed"
-    groups = fill_groups(passed, 4)
-    assert bool(passed[groups].all())
+    passed_so_far, drawn = 0, 0
+    for index, size in enumerate(calls):
+        assert size == next_round_size(
+            rounds_run=index,
+            wanted=4,
+            missing=4 - passed_so_far,
+            share=PassShare().plus(passed_so_far, drawn).share,
+            prompt_filter="nonzero_std",
+            max_num_gen_batches=4,
+        )
+        passed_so_far += int(passed[drawn : drawn + size].sum())
+        drawn += size
+    assert len(calls) > 1, "no group of the first round had all-equal rewards: the refill was not exercised"
+    prompt_numbers = numbers[::4]
+    assert len(set(prompt_numbers)) == len(prompt_numbers), "a refill repeated a prompt of the batch"
+    taken = fill_groups(passed, 4, "train_fewer")
+    assert bool(taken.trained.all()) and bool(passed[taken.positions].all())
+    groups = taken.positions
     kept = select(rewards[groups], 2, "max_variance")
     rows = (groups.unsqueeze(1) * 4 + kept).flatten().tolist()
     completions = [
@@ -318,19 +368,160 @@ def test_prompt_filter_generates_again_until_every_group_has_a_spread(tiny_model
     assert torch.equal(batch["advantages"], group_advantages(rewards[groups].gather(1, kept)).view(-1))
     assert batch["num_items_in_batch"].item() == batch["completion_mask"].sum().item()
     metrics = trainer._metrics["train"]
-    assert metrics["pods/filter/num_gen_batches"] == [rounds]
-    assert metrics["pods/filter/extra_rollouts"] == [(rounds - 1) * 16]
+    assert metrics["pods/filter/num_gen_batches"] == [len(calls)]
+    assert metrics["pods/filter/extra_rollouts"] == [(drawn - calls[0]) * 4]
+    assert metrics["pods/rollouts_generated"] == [drawn * 4] and metrics[
+        "pods/groups_trained_with_signal"
+    ] == [4]
     assert metrics["pods/filter/groups_dropped"] == [int((~passed).sum())]
     assert metrics["pods/filter/groups_unfilled"] == [0]
-    assert len(metrics["reward"]) == rounds  # TRL's own metrics, once per round (averaged when logged)
-    # The completions table holds the last round (TRL keeps one generation's rows): trained advantages or NaN.
+    assert len(metrics["reward"]) == len(calls)  # TRL's own metrics, once per round (averaged when logged)
+    # The completions table holds the last rows logged (TRL keeps one generation's 16): trained advantages or NaN.
     logged = torch.tensor(list(trainer._logs["advantages"])).view(4, 4)
-    last = rounds - 1
     for group in range(4):
-        position = last * 4 + group
+        position = drawn - 4 + group
         trained = (groups == position).nonzero()
         expected_kept = kept[trained.item()].tolist() if trained.numel() else []
         assert (~logged[group].isnan()).nonzero().flatten().tolist() == expected_kept
+
+
+@pytest.mark.parametrize("exhausted", ["train_fewer", "pad", "error"])
+def test_past_the_bound_trl_trains_fewer_pads_or_stops(tiny_model_dir, tmp_path, exhausted: str) -> None:
+    """Every reward 1: no group passes. After max_num_gen_batches rounds, train_fewer gives every row a zero loss
+    mask (nothing counts in num_items_in_batch), pad trains them at advantage 0, error raises verl's error."""
+
+    def always_one(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    args = tiny_args(
+        PODSConfig,
+        tmp_path,
+        num_generations_kept=2,
+        prompt_filter="nonzero_std",
+        max_num_gen_batches=2,
+        prompt_filter_exhausted=exhausted,
+    )
+    trainer = PODSTrainer(str(tiny_model_dir), always_one, args, numbered_prompts(32))
+    trainer.model.train()
+    inputs = next(iter(trainer.get_train_dataloader()))
+    if exhausted == "error":
+        with pytest.raises(PromptFilterExhausted, match=r"only 0 of the 2 groups .* prompt_filter_exhausted"):
+            trainer._generate_and_score_completions(inputs)
+        return
+    batch = trainer._generate_and_score_completions(inputs)
+    assert batch["advantages"].abs().sum() == 0 and batch["completion_ids"].shape[0] == 4
+    tokens = batch["completion_mask"].sum().item()
+    assert (tokens == 0) == (exhausted == "train_fewer") and batch["num_items_in_batch"].item() == tokens
+    assert trainer._metrics["train"]["pods/filter/groups_unfilled"] == [2]
+
+
+def test_normalize_then_sum_ranks_and_trains_on_trls_gdpo_quantity(tiny_model_dir, tmp_path) -> None:
+    """TRL's multi_objective_aggregation='normalize_then_sum' (GDPO): each reward function normalised within the
+    group, then summed. PODS ranks on that quantity (max-variance on it, not on the plain sum), and trains the kept
+    rows on the mode applied to the kept set: per function over the kept of the group, summed, then over the batch.
+    The same run as TRL's test_train_normalize_then_sum_aggregation: training moves every parameter."""
+    scored: list[tuple[float, float]] = []
+
+    def long_completions(completions, **kwargs):
+        values = [100.0 * len(str(c)) for c in completions]  # a large scale: it dominates the plain sum
+        scored.extend((v, 0.0) for v in values)
+        return values
+
+    def unique_letters(completions, **kwargs):
+        values = [float(len(set(str(c)))) for c in completions]
+        for offset, value in enumerate(values, start=len(scored) - len(values)):
+            scored[offset] = (scored[offset][0], value)
+        return values
+
+    args = tiny_args(
+        PODSConfig,
+        tmp_path,
+        num_generations_kept=2,
+        per_device_train_batch_size=32,  # 8 groups
+        multi_objective_aggregation="normalize_then_sum",
+        reward_weights=[1.0, 3.0],
+    )
+    trainer = PODSTrainer(str(tiny_model_dir), [long_completions, unique_letters], args, numbered_prompts(32))
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    parts = torch.tensor(scored, dtype=torch.float64).view(-1, 4, 2)  # [groups, n, functions]
+    weights = torch.tensor([1.0, 3.0], dtype=torch.float64)
+
+    def gdpo(values: torch.Tensor) -> torch.Tensor:  # written out here, independently of pods
+        mean, std = values.mean(dim=1, keepdim=True), values.std(dim=1, keepdim=True)
+        return ((values - mean) / (std + 1e-4) * weights).sum(dim=2)
+
+    ranked = gdpo(parts)
+    kept = select(ranked, 2, "max_variance")
+    assert not torch.equal(kept, select(parts @ weights, 2, "max_variance")), "the sum ranks alike: no teeth"
+    summed = gdpo(parts.gather(1, kept.unsqueeze(2).expand(-1, -1, 2)))
+    expected = (summed - summed.mean()) / (summed.std() + 1e-4)
+    assert torch.allclose(batch["advantages"].double(), expected.view(-1), atol=1e-5)
+
+    trainer = PODSTrainer(
+        str(tiny_model_dir),
+        [long_completions, unique_letters],
+        tiny_args(
+            PODSConfig,
+            tmp_path / "train",
+            num_generations_kept=2,
+            multi_objective_aggregation="normalize_then_sum",
+        ),
+        numbered_prompts(32),
+    )
+    before = {name: p.clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert all(not torch.equal(p, trainer.model.get_parameter(name)) for name, p in before.items())
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_the_logged_reward_reflects_reward_weights(tiny_model_dir, tmp_path, aggregation: str) -> None:
+    """TRL's test_reward_metric_reflects_reward_weights with the drop-in (m < n): rewards 1 and 0 weighted 0.7 and
+    0.3 log a reward of 0.7, in both aggregation modes."""
+
+    def constant_one(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def constant_zero(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    args = tiny_args(
+        PODSConfig,
+        tmp_path,
+        num_generations_kept=2,
+        reward_weights=[0.7, 0.3],
+        multi_objective_aggregation=aggregation,
+        learning_rate=0.1,
+        logging_steps=10,  # as in TRL's test: the metrics reach the last log, the training summary
+    )
+    trainer = PODSTrainer(str(tiny_model_dir), [constant_one, constant_zero], args, numbered_prompts(32))
+    trainer.train()
+    assert abs(trainer.state.log_history[-1]["reward"] - 0.7) < 1e-5
+
+
+def test_adaptive_k_in_trl_leaves_fillers_out_of_the_loss(tiny_model_dir, tmp_path) -> None:
+    """num_generations_kept_by_difficulty: the easiest groups keep 2 of their 4 kept rows trained; the other rows
+    of the group have a zero loss mask and advantage 0."""
+    recording, seen, numbers, _ = recording_rewards()
+    args = tiny_args(
+        PODSConfig,
+        tmp_path,
+        num_generations=4,
+        num_generations_kept=4,
+        per_device_train_batch_size=16,
+        num_generations_kept_by_difficulty=[2, 2, 4, 4],
+    )
+    trainer = PODSTrainer(str(tiny_model_dir), recording, args, numbered_prompts(32))
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    rewards = torch.tensor(half_constant_reward(seen, numbers)).view(-1, 4)
+    weighing = (batch["completion_mask"].sum(dim=1) > 0).view(-1, 4).sum(dim=1)
+    means = rewards.mean(dim=1)
+    assert weighing[means.argmin()] == 4
+    assert bool((weighing[means > torch.quantile(means, 0.5)] == 2).all())
+    assert batch["advantages"].view(-1, 4)[:, 2:][weighing == 2].abs().sum() == 0
+    assert batch["num_items_in_batch"].item() == batch["completion_mask"].sum().item()
 
 
 def test_join_of_trl_batches_repads_each_side_and_refuses_images() -> None:
@@ -387,13 +578,15 @@ def test_greso_in_trl_skips_prompts_and_checkpoints_its_history(tiny_model_dir, 
     logs = [log for log in trainer.state.log_history if "pods/skip/prompts_skipped" in log]
     assert len(logs) == 6 and sum(log["pods/skip/prompts_skipped"] for log in logs) > 0
     assert all(log["pods/skip/rollouts_saved"] == 4 * log["pods/skip/prompts_skipped"] for log in logs)
-    saved = json.loads((tmp_path / "checkpoint-6" / PROMPT_SKIP_STATE_FILE).read_text())
-    assert saved == trainer._pods_history.to_state() and saved["streaks"]
-    assert (tmp_path / "checkpoint-3" / PROMPT_SKIP_STATE_FILE).is_file()
+    # shrink: a skipped prompt is not generated for, so a step generates fewer rollouts than its 2 x 4
+    assert all(log["pods/rollouts_generated"] == 8 - log["pods/skip/rollouts_saved"] for log in logs)
+    saved = json.loads((tmp_path / "checkpoint-6" / PROMPT_STAGES_STATE_FILE).read_text())
+    assert saved["prompt_history"] == trainer._pods_history.to_state() and saved["prompt_history"]["streaks"]
+    assert (tmp_path / "checkpoint-3" / PROMPT_STAGES_STATE_FILE).is_file()
     fresh = PODSTrainer(str(tiny_model_dir), half_constant_reward, args, numbered_prompts(6))
-    (tmp_path / "checkpoint-3" / PROMPT_SKIP_STATE_FILE).unlink()
+    (tmp_path / "checkpoint-3" / PROMPT_STAGES_STATE_FILE).unlink()
     with pytest.raises(
-        ValueError, match=r"pods_prompt_skip\.json is missing: the checkpoint was written without"
+        ValueError, match=r"pods_prompt_stages\.json is missing or holds no skip history: the checkpoint was"
     ):
         fresh.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
 
@@ -477,7 +670,14 @@ def test_random_rule_draws_resume_exactly(tiny_model_dir, prompts, tmp_path, sta
     """After resuming from a checkpoint, the random rule keeps what an uninterrupted run keeps; with the prompt
     filter and GRESO, the refills and skips (the history comes from the checkpoint) are the same too."""
     extra = (
-        {"prompt_filter": "nonzero_std", "prompt_skip": "greso", "max_num_gen_batches": 3} if stages else {}
+        {
+            "prompt_filter": "nonzero_std",
+            "prompt_skip": "greso",
+            "max_num_gen_batches": 3,
+            "generation_batch_prompts": "auto",
+        }
+        if stages
+        else {}
     )
     dataset, reward = (numbered_prompts(6), half_constant_reward) if stages else (prompts, token_sum_reward)
 

@@ -99,10 +99,8 @@ def round_up(prompts: int, multiple: int) -> int:
 
 
 def _sized(wanted: float, share: float | None, multiple: int, cap: int) -> int:
-    if share is None:  # nothing measured yet: no oversampling
-        prompts = math.ceil(wanted)
-    else:
-        prompts = math.ceil(wanted / share - 1e-9)
+    share = 1.0 if share is None else share  # nothing measured yet: no oversampling
+    prompts = math.ceil(wanted / share - 1e-9)
     return max(1, min(round_up(prompts, multiple), cap))
 
 

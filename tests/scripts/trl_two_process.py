@@ -64,16 +64,23 @@ class CheckedPODSTrainer(PODSTrainer):
         rewards = torch.tensor([score(ids, k) for ids, k in SEEN]).view(-1, n)
         rounds = gather_object([rewards.shape[0] // len(groups)])
         assert rounds[0] == rounds[1], f"the processes ran different numbers of generation rounds: {rounds}"
-        trained = (
-            fill_groups(~zero_variance_groups(rewards), len(groups)) if STAGES else torch.arange(len(groups))
-        )
+        taken = fill_groups(~zero_variance_groups(rewards), len(groups), "train_fewer")
+        trained = taken.positions if STAGES else torch.arange(len(groups))
+        weighs = taken.trained if STAGES else torch.ones(len(groups), dtype=torch.bool)
         kept = select(rewards[trained], m, "max_variance")
-        expected = [SEEN[row][0] for row in (kept + n * trained.unsqueeze(1)).flatten().tolist()]
+        expected = [
+            SEEN[row][0]
+            if weighs[slot]
+            else []  # a group trained without (train_fewer): no tokens in the loss
+            for slot, group_rows in enumerate((kept + n * trained.unsqueeze(1)).tolist())
+            for row in group_rows
+        ]
         rows = zip(batch["completion_ids"], batch["completion_mask"], strict=True)
         assert [ids[mask.bool()].tolist() for ids, mask in rows] == expected, (
             "kept rows are not the local selection"
         )
-        assert torch.equal(batch["advantages"], group_advantages(rewards[trained].gather(1, kept)).view(-1))
+        advantages = group_advantages(rewards[trained].gather(1, kept)) * weighs.unsqueeze(1)
+        assert torch.equal(batch["advantages"], advantages.view(-1))
         assert batch["num_items_in_batch"].item() == sum(
             gather_object([batch["completion_mask"].sum().item()])
         )

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 
 try:
     import trl
@@ -39,11 +40,19 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("pods.integrations.trl needs TRL; install it with: pip install 'pods[trl]'") from error
 
-from pods.advantages import downsample
-from pods.config import PROMPT_FILTERS, PROMPT_SKIPS
+from pods.advantages import aggregate_rewards, difficulty_counts, downsample, zero_variance_groups
+from pods.config import (
+    PROMPT_FILTER_EXHAUSTED,
+    PROMPT_FILTERS,
+    PROMPT_SKIP_MODES,
+    PROMPT_SKIPS,
+    check_generation_batch_prompts,
+    check_kept_by_difficulty,
+)
 from pods.data.stream import refill_order
+from pods.errors import ConfigError, PromptFilterExhausted
 from pods.metrics import reward_metrics
-from pods.prompt_filter import fill_groups, passing_groups
+from pods.prompt_filter import PassShare, exhausted_message, fill_groups, next_round_size, passing_groups
 from pods.prompt_skip import (
     GresoSettings,
     PromptHistory,
@@ -51,12 +60,13 @@ from pods.prompt_skip import (
     adapt_exploration,
     group_outcomes,
     record_outcomes,
-    skip_prompts,
+    round_prompts,
 )
+from pods.rollout.base import batch_multiple
 from pods.selection import available_rules, uses_lengths
 
 __all__ = [
-    "PROMPT_SKIP_STATE_FILE",
+    "PROMPT_STAGES_STATE_FILE",
     "TESTED_TRL_VERSION",
     "PODSConfig",
     "PODSTrainer",
@@ -68,7 +78,13 @@ __all__ = [
     "take_rows",
 ]
 
-PROMPT_SKIP_STATE_FILE = "pods_prompt_skip.json"  # GRESO's history, in each TRL checkpoint folder
+PROMPT_STAGES_STATE_FILE = (
+    "pods_prompt_stages.json"  # GRESO's history and the filter's pass share, per checkpoint
+)
+LEGACY_PROMPT_SKIP_STATE_FILE = "pods_prompt_skip.json"  # GRESO's history, as pods wrote it before
+# TRL's loss types that divide by the tokens trained on (num_items_in_batch): a row with a zero loss mask weighs nothing
+TOKEN_NORMALISED_LOSSES = ("dapo", "cispo", "vespo")
+VLLM_ROUND_ROWS = 256  # on a GPU a round's prompts fill this many completions (vLLM's default max_num_seqs)
 
 TESTED_TRL_VERSION = "1.16"
 if not trl.__version__.startswith(TESTED_TRL_VERSION + "."):
@@ -230,6 +246,13 @@ class PODSConfig(GRPOConfig):
             "max_variance_shortest, or your own)."
         },
     )
+    num_generations_kept_by_difficulty: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "GFPO's adaptive difficulty: completions kept per prompt for each quartile of the groups' mean "
+            "reward, easiest first, e.g. [4, 6, 8, 8] (each 2..m); the rest of a group's m rows weigh nothing."
+        },
+    )
     prompt_filter: str = field(
         default="none",
         metadata={
@@ -237,11 +260,32 @@ class PODSConfig(GRPOConfig):
             "for more prompts until every process has as many as it started with (DAPO's dynamic sampling)."
         },
     )
+    prompt_filter_reward: str = field(
+        default="total",
+        metadata={
+            "help": "The reward the filter and GRESO read: total (what the rule ranks) or one reward function's "
+            "name (verl's filter_groups.metric)."
+        },
+    )
     max_num_gen_batches: int = field(
         default=4,
         metadata={
             "help": "With a prompt_filter: generation rounds per generation batch at most, the first included; "
-            "past it the batch is filled with prompts whose rewards were all equal (advantage 0)."
+            "0: no bound. Past it, prompt_filter_exhausted says what happens."
+        },
+    )
+    generation_batch_prompts: int | str | None = field(
+        default=None,
+        metadata={
+            "help": "With a prompt_filter: prompts of the first round per process: None (the batch's own), a larger "
+            "number, or 'auto' (the batch's prompts / the running share of groups that pass)."
+        },
+    )
+    prompt_filter_exhausted: str = field(
+        default="train_fewer",
+        metadata={
+            "help": "Past max_num_gen_batches: train_fewer (groups without a spread weigh nothing), pad (they "
+            "train at advantage 0), or error (verl's)."
         },
     )
     prompt_skip: str = field(
@@ -251,9 +295,26 @@ class PODSConfig(GRPOConfig):
             "with GRESO's adaptive probability (arXiv 2506.02177)."
         },
     )
+    prompt_skip_mode: str = field(
+        default="shrink",
+        metadata={
+            "help": "greso: shrink (a skipped prompt is not generated; the batch is topped up with rows that weigh "
+            "nothing) or replace (another prompt is generated instead)."
+        },
+    )
     prompt_skip_target: float = field(
         default=0.25,
         metadata={"help": "greso: the fraction of zero-variance groups its skip rates steer towards."},
+    )
+    prompt_skip_solved_mean: float | None = field(
+        default=None,
+        metadata={
+            "help": "greso: a group whose mean reward is at least this counts as solved (GRESO: 0.98)."
+        },
+    )
+    prompt_skip_failed_mean: float | None = field(
+        default=None,
+        metadata={"help": "greso: a group whose mean reward is at most this counts as failed (GRESO: 0.11)."},
     )
 
     def __post_init__(self) -> None:
@@ -280,24 +341,36 @@ class PODSConfig(GRPOConfig):
             )
         for name, value, choices in (
             ("prompt_filter", self.prompt_filter, PROMPT_FILTERS),
+            ("prompt_filter_exhausted", self.prompt_filter_exhausted, PROMPT_FILTER_EXHAUSTED),
             ("prompt_skip", self.prompt_skip, PROMPT_SKIPS),
+            ("prompt_skip_mode", self.prompt_skip_mode, PROMPT_SKIP_MODES),
         ):
             if value not in choices:
                 raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}.")
         if isinstance(self.max_num_gen_batches, bool) or not (
-            isinstance(self.max_num_gen_batches, int) and self.max_num_gen_batches >= 1
+            isinstance(self.max_num_gen_batches, int) and self.max_num_gen_batches >= 0
         ):
             raise ValueError(
-                f"max_num_gen_batches must be an int of at least 1 (generation rounds, the first included), "
-                f"got {self.max_num_gen_batches!r}."
+                f"max_num_gen_batches must be an int of at least 1 (generation rounds, the first included), or 0 "
+                f"for no bound, got {self.max_num_gen_batches!r}."
             )
         if not 0 <= self.prompt_skip_target < 1:
             raise ValueError(f"prompt_skip_target must be in [0, 1), got {self.prompt_skip_target}.")
-        if self.multi_objective_aggregation != "sum_then_normalize":
+        wanted = self.per_device_train_batch_size * self.steps_per_generation // n
+        try:
+            check_generation_batch_prompts(self.generation_batch_prompts, wanted, self.prompt_filter)
+            check_kept_by_difficulty(self.num_generations_kept_by_difficulty, self.kept_per_prompt)
+            GresoSettings(solved_mean=self.prompt_skip_solved_mean, failed_mean=self.prompt_skip_failed_mean)
+        except (ConfigError, ValueError) as error:
+            raise ValueError(str(error)) from None
+        if self.rows_weigh_nothing and self.loss_type not in TOKEN_NORMALISED_LOSSES:
             raise ValueError(
-                f"PODS ranks completions by their weighted summed reward, so it needs "
-                f"multi_objective_aggregation='sum_then_normalize' (TRL's default); got "
-                f"{self.multi_objective_aggregation!r}."
+                f"{self.rows_weigh_nothing} leaves rows out of the loss through a zero loss mask, which "
+                f"loss_type={self.loss_type!r} still counts in its mean over sequences or micro-batches; use "
+                f"loss_type 'dapo' (TRL's default), 'cispo' or 'vespo', which divide by the tokens trained on"
+                + (", or prompt_filter_exhausted='pad'" if "exhausted" in self.rows_weigh_nothing else "")
+                + (", or prompt_skip_mode='replace'" if "skip" in self.rows_weigh_nothing else "")
+                + "."
             )
         advantage_scale(self.scale_rewards)
         check_batch_arithmetic(
@@ -307,6 +380,18 @@ class PODSConfig(GRPOConfig):
             self.kept_per_prompt,
             self.world_size,
         )
+
+    @property
+    def rows_weigh_nothing(self) -> str:
+        """The settings under which some rows of a batch weigh nothing (a zero loss mask), '' where none do."""
+        reasons = []
+        if self.prompt_filter != "none" and self.prompt_filter_exhausted == "train_fewer":
+            reasons.append("prompt_filter_exhausted='train_fewer'")
+        if self.prompt_skip == "greso" and self.prompt_skip_mode == "shrink":
+            reasons.append("prompt_skip_mode='shrink'")
+        if self.num_generations_kept_by_difficulty is not None:
+            reasons.append("num_generations_kept_by_difficulty")
+        return " and ".join(reasons)
 
     @property
     def kept_per_prompt(self) -> int:
@@ -343,44 +428,72 @@ class PODSTrainer(GRPOTrainer):
             self.accelerator.num_processes,
         )
         self._pods_rewards_per_func: torch.Tensor | None = None
-        self._pods_greso = GresoSettings(args.prompt_skip_target) if args.prompt_skip == "greso" else None
+        self._pods_greso = None
+        if args.prompt_skip == "greso":
+            self._pods_greso = GresoSettings(
+                args.prompt_skip_target,
+                solved_mean=args.prompt_skip_solved_mean,
+                failed_mean=args.prompt_skip_failed_mean,
+            )
         self._pods_history = PromptHistory.start(self._pods_greso) if self._pods_greso else None
+        self._pods_pass_share = PassShare()  # the filter's running share of groups that pass
         self._pods_generation = (-1, 0)  # (global step, training generations in it so far): seeds the refills
         if (args.prompt_filter != "none" or self._pods_greso) and not hasattr(self.train_dataset, "__len__"):
             raise ValueError(
                 "prompt_filter and prompt_skip draw further prompts from train_dataset by index, so it must be a "
                 "map-style dataset (with a length), not an iterable one."
             )
+        if args.prompt_filter_reward != "total" and args.prompt_filter_reward not in self.reward_func_names:
+            raise ValueError(
+                f"prompt_filter_reward {args.prompt_filter_reward!r} is not one of the reward functions "
+                f"({', '.join(self.reward_func_names)}); use 'total' (what the rule ranks) or one of those names."
+            )
+
+    @property
+    def _pods_stages(self) -> bool:
+        """Whether a training batch runs the prompt-level stages (filter rounds or GRESO's skipping)."""
+        return self.args.prompt_filter != "none" or self._pods_greso is not None
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):  # type: ignore[override]
-        """TRL's training; with ``prompt_skip="greso"`` a resumed run first reloads GRESO's history."""
-        if self._pods_greso is not None and resume_from_checkpoint:
+        """TRL's training; with the prompt-level stages a resumed run first reloads their state (GRESO's history,
+        the filter's pass share)."""
+        if self._pods_stages and resume_from_checkpoint:
             from transformers.trainer_utils import get_last_checkpoint
 
-            folder = (
-                get_last_checkpoint(self.args.output_dir)
-                if resume_from_checkpoint is True
-                else resume_from_checkpoint
-            )
-            path = Path(folder or self.args.output_dir) / PROMPT_SKIP_STATE_FILE
-            if not path.is_file():
-                raise ValueError(
-                    f"{path} is missing: the checkpoint was written without prompt_skip='greso', so its skip "
-                    "history is unknown. Resume with the settings it was written with, or start a new run."
+            folder = Path(
+                (
+                    get_last_checkpoint(self.args.output_dir)
+                    if resume_from_checkpoint is True
+                    else resume_from_checkpoint
                 )
-            self._pods_history = PromptHistory.from_state(json.loads(path.read_text()), self._pods_greso)
+                or self.args.output_dir
+            )
+            state = _read_stage_state(folder)
+            if self._pods_greso is not None and state.get("prompt_history") is None:
+                raise ValueError(
+                    f"{folder / PROMPT_STAGES_STATE_FILE} is missing or holds no skip history: the checkpoint was "
+                    "written without prompt_skip='greso', so its skip history is unknown. Resume with the settings "
+                    "it was written with, or start a new run."
+                )
+            if self._pods_greso is not None:
+                self._pods_history = PromptHistory.from_state(state["prompt_history"], self._pods_greso)
+            self._pods_pass_share = PassShare.from_state(state.get("pass_share"))
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """TRL's checkpoint, plus GRESO's history (``pods_prompt_skip.json``) with ``prompt_skip="greso"``."""
+        """TRL's checkpoint, plus the prompt-level stages' state (``pods_prompt_stages.json``) when they run."""
         super()._save_checkpoint(model, trial)
-        if self._pods_greso is not None and self.args.should_save:
+        if self._pods_stages and self.args.should_save:
             from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
             folder = (
                 Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             )
-            (folder / PROMPT_SKIP_STATE_FILE).write_text(json.dumps(self._pods_history.to_state()))
+            state = {
+                "prompt_history": None if self._pods_history is None else self._pods_history.to_state(),
+                "pass_share": self._pods_pass_share.to_state(),
+            }
+            (folder / PROMPT_STAGES_STATE_FILE).write_text(json.dumps(state))
 
     def _selection_generator(self) -> torch.Generator:
         """The random rule's draws, a pure function of (seed, step): the same on every process (each selects
@@ -401,56 +514,82 @@ class PODSTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:  # type: ignore[override]
-        """TRL's generation and scoring (in training: of the prompts GRESO keeps, again for more prompts while the
-        filter drops groups), then keep m of each group of n and redo the advantages."""
+        """TRL's generation and scoring (in training: of the prompts GRESO keeps, in rounds while the filter drops
+        groups), then keep m (or a difficulty's k) of each group of n and redo the advantages."""
         if not self.model.training:
             return super()._generate_and_score_completions(inputs)
         # TRL computes old and reference log-probs for all n rows before rewards exist; PODS needs them for
         # the kept m only (text prompts; vLLM's importance-sampling correction needs them for all n).
+        acc, args = self.accelerator, self.args
         n, m = self.num_generations, self.num_generations_kept
         defer = self._defer_logps(inputs)
-        if self.args.prompt_filter == "none" and self._pods_greso is None:
-            batch, rewards_per_func = self._scored_round(inputs, defer)
-            sampled = None
-        else:
+        if self._pods_stages:
             batch, rewards_per_func, sampled = self._sampled_batch(inputs, defer)
+            trained_groups = acc.gather(sampled.trained.to(acc.device)).cpu()  # [all groups]
+        else:
+            batch, rewards_per_func = self._scored_round(inputs, defer)
+            sampled = trained_groups = None
 
-        summed = summed_rewards(rewards_per_func, self.reward_weights)  # [all rows], every process's rows
         local_rows = batch["prompt_ids"].shape[0]
         groups = local_rows // n
-        if local_rows % n or summed.shape[0] != local_rows * self.accelerator.num_processes:
+        if local_rows % n or rewards_per_func.shape[0] != local_rows * acc.num_processes:
             raise RuntimeError(
-                f"this process holds {local_rows} completions ({summed.shape[0]} on all processes), not whole "
-                f"groups of n={n}: groups are not process-local (see check_batch_arithmetic)."
+                f"this process holds {local_rows} completions ({rewards_per_func.shape[0]} on all processes), not "
+                f"whole groups of n={n}: groups are not process-local (see check_batch_arithmetic)."
             )
-        rewards = summed.view(-1, n)  # [all groups, n]
+        summed = summed_rewards(rewards_per_func, self.reward_weights).view(-1, n)  # [all groups, n]
+        components = rewards_per_func.view(-1, n, rewards_per_func.shape[1])
+        gdpo = self.multi_objective_aggregation == "normalize_then_sum"
+        ranked = aggregate_rewards(components, self.reward_weights, "normalize_then_sum") if gdpo else summed
         lengths = None
-        if uses_lengths(self.args.selection_rule):  # every process's completion lengths, as the rewards
-            lengths = (
-                self.accelerator.gather(batch["completion_mask"].sum(dim=1)).view(-1, n).to(rewards.device)
-            )
+        if uses_lengths(args.selection_rule):  # every process's completion lengths, as the rewards
+            lengths = acc.gather(batch["completion_mask"].sum(dim=1)).view(-1, n).to(summed.device)
+        counts = None
+        if args.num_generations_kept_by_difficulty is not None:
+            counts = difficulty_counts(summed.nanmean(dim=1).cpu(), args.num_generations_kept_by_difficulty)
 
         chosen = downsample(
-            rewards,
+            ranked,
             m,
-            self.args.selection_rule,
+            args.selection_rule,
             scale=advantage_scale(self.scale_rewards),
             generator=self._selection_generator(),
             lengths=lengths,
+            kept_counts=counts,
+            keep_signal=args.prompt_filter != "none",
+            components=components if gdpo else None,
+            weights=self.reward_weights if gdpo else None,
         )  # over every process's groups: [all groups, m]
-        kept, kept_rewards, advantages = chosen.kept, chosen.rewards, chosen.advantages
+        weighs = (
+            chosen.trained.cpu()
+            if trained_groups is None
+            else chosen.trained.cpu() & trained_groups.unsqueeze(1)
+        )
 
-        mine = slice(self.accelerator.process_index * groups, (self.accelerator.process_index + 1) * groups)
+        mine = slice(acc.process_index * groups, (acc.process_index + 1) * groups)
         trl_advantages = batch["advantages"]
         batch = take_rows(batch, chosen.rows.view(-1, m)[mine].reshape(-1) - mine.start * n, local_rows)
-        if m < n or sampled is not None:
+        if m < n or sampled is not None or counts is not None:
+            advantages = chosen.advantages.masked_fill(~weighs.to(chosen.advantages.device), 0.0)
             batch["advantages"] = advantages[mine].reshape(-1).to(trl_advantages)
             # The completions table (log_completions) lists all n: show the advantage trained on, NaN if dropped.
-            logged = torch.full_like(rewards, float("nan")).scatter_(1, kept, advantages.to(rewards.dtype))
+            logged = torch.full_like(summed, float("nan")).scatter_(
+                1, chosen.kept, advantages.to(summed.dtype)
+            )
+            logged = (
+                logged.masked_fill(trained_groups.logical_not().unsqueeze(1).to(logged.device), float("nan"))
+                if (trained_groups is not None)
+                else logged
+            )
             if sampled is not None:  # rows of every round, as TRL logged them, NaN for groups not trained on
-                logged = sampled.logged_advantages(logged, self.accelerator)
+                logged = sampled.logged_advantages(logged, acc)
             self._logs["advantages"].clear()
             self._logs["advantages"].extend(logged.reshape(-1).tolist())
+        local_weighs = weighs[mine].reshape(-1)
+        if not bool(local_weighs.all()):  # rows that weigh nothing: no tokens in the loss (dapo-type losses)
+            for key in ("completion_mask", "tool_mask"):
+                if batch.get(key) is not None:
+                    batch[key] = batch[key] * local_weighs.to(batch[key]).unsqueeze(1)
         if defer:
             self._kept_row_logps(batch)
         # With m == n every row is kept and TRL's advantages are already those of the kept set (same formula;
@@ -458,18 +597,27 @@ class PODSTrainer(GRPOTrainer):
         loss_mask = batch["completion_mask"]
         if batch.get("tool_mask") is not None:
             loss_mask = loss_mask * batch["tool_mask"]
-        batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        batch["num_items_in_batch"] = acc.gather(loss_mask.sum()).sum()
 
-        generated = (
-            rewards if sampled is None else sampled.all_rewards
-        )  # every group generated, all processes
+        generated = summed if sampled is None else sampled.all_rewards  # every group generated, all processes
+        kept_rewards = summed.gather(1, chosen.kept).masked_fill(~weighs.to(summed.device), float("nan"))
+        if trained_groups is not None:
+            kept_rewards = kept_rewards[trained_groups.to(kept_rewards.device)]
         for name, value in reward_metrics(generated, kept_rewards).items():
-            if name.startswith(
-                "pods/"
-            ):  # TRL logs reward, reward_std and frac_reward_zero_std (over all n) itself
+            if name.startswith("pods/"):  # TRL logs reward, reward_std and frac_reward_zero_std (over all n)
                 self._metrics["train"][name].append(value)
+        kept_ranked = ranked.gather(1, chosen.kept).masked_fill(~weighs.to(ranked.device), float("nan"))
+        if trained_groups is not None:
+            kept_ranked = kept_ranked[trained_groups.to(kept_ranked.device)]
+        with_signal = int((~zero_variance_groups(kept_ranked)).sum()) if kept_ranked.numel() else 0
+        self._metrics["train"]["pods/groups_trained_with_signal"].append(with_signal)
+        self._metrics["train"]["pods/rollouts_generated"].append(
+            generated.numel() if sampled is None else sampled.rollouts_generated
+        )
         for name, value in ({} if sampled is None else sampled.metrics).items():
             self._metrics["train"][name].append(value)
+        if args.prompt_filter != "none":
+            self._metrics["train"]["pods/selection/signal_restored"].append(chosen.signal_restored)
         return batch
 
     def _scored_round(self, inputs: list[dict[str, Any]], defer: bool) -> tuple[dict[str, Any], torch.Tensor]:
@@ -491,9 +639,10 @@ class PODSTrainer(GRPOTrainer):
     def _sampled_batch(
         self, inputs: list[dict[str, Any]], defer: bool
     ) -> tuple[dict[str, Any], torch.Tensor, _SampledRounds]:
-        """The prompt-level stages on this process's P prompts: skip (GRESO), generate and score (TRL), and with
-        a filter repeat for more prompts (the same number of rounds on every process, at most
-        ``max_num_gen_batches``) until P groups pass; then the P groups as one batch, and their gathered rewards."""
+        """The prompt-level stages on this process's P prompts: rounds of prompts (the batch's own first, then
+        further draws from ``train_dataset``), GRESO skipping some, generated and scored by TRL; with a filter,
+        rounds sized to what is missing until P groups pass or ``max_num_gen_batches`` rounds ran (the same rounds
+        of the same size on every process). Returns the P groups as one batch, their gathered rewards, the rounds."""
         acc, n, args = self.accelerator, self.num_generations, self.args
         if "image" in inputs[0] or "images" in inputs[0]:
             raise ValueError("prompt_filter and prompt_skip support text prompts only (no images).")
@@ -502,42 +651,83 @@ class PODSTrainer(GRPOTrainer):
         rows = {key: inputs[g * n] for g, key in enumerate(first)}
         step, count = self._pods_generation
         self._pods_generation = (self.state.global_step, count + 1 if step == self.state.global_step else 0)
-        candidates = self._pods_candidates(first, rows)
+        batch_keys = {key for keys in gather_object([first]) for key in keys}  # every process's batch
+        draw = _PromptDraws(first, self._refill_keys(batch_keys, rows), acc.num_processes, acc.process_index)
+        most = (
+            (lambda value: int(acc.gather(torch.tensor([value], device=acc.device)).max()))
+            if (acc.num_processes > 1)
+            else (lambda value: value)
+        )
+        multiple = batch_multiple(acc.device.type == "cuda", VLLM_ROUND_ROWS, n)
         rounds = _SampledRounds(wanted, n, acc.num_processes, acc.process_index)
-        while not rounds.batches or (
-            args.prompt_filter != "none"
-            and len(rounds.batches) < args.max_num_gen_batches
-            and bool(acc.gather(torch.tensor([rounds.num_passed < wanted], device=acc.device)).any())
-        ):
-            if self._pods_greso is None:
-                prompts = SkippedPrompts(ids=next(candidates), skipped=0)
-            else:
-                generator = torch.Generator().manual_seed(
-                    ((args.seed * 1_000_003 + self._pods_seed_step) * 64 + acc.process_index) * 1_009
-                    + len(rounds.batches)
-                )
-                prompts = skip_prompts(candidates, self._pods_history, self._pods_greso, wanted, generator)
+        filter_column = (
+            None
+            if args.prompt_filter_reward == "total"
+            else self.reward_func_names.index(args.prompt_filter_reward)
+        )
+        while True:
+            totals = acc.gather(torch.tensor([[rounds.num_passed, rounds.drawn]], device=acc.device)).sum(
+                dim=0
+            )
+            share = self._pods_pass_share.plus(int(totals[0]), int(totals[1]))
+            size = next_round_size(
+                rounds_run=len(rounds.batches),
+                wanted=wanted,
+                missing=most(wanted - rounds.num_passed),
+                share=share.share,
+                prompt_filter=args.prompt_filter,
+                max_num_gen_batches=args.max_num_gen_batches,
+                generation_batch_prompts=args.generation_batch_prompts,
+                multiple=multiple,
+            )
+            if size == 0:
+                break
+            generator = torch.Generator().manual_seed(
+                ((args.seed * 1_000_003 + self._pods_seed_step) * 64 + acc.process_index) * 1_009
+                + len(rounds.batches)
+            )
+            prompts = round_prompts(
+                draw,
+                size,
+                settings=self._pods_greso,
+                history=self._pods_history,
+                generator=generator,
+                mode=args.prompt_skip_mode,
+                most=most,
+            )
             batch, rewards_per_func = self._scored_round(
                 [rows[k] for k in prompts.ids for _ in range(n)], defer
             )
             local = rewards_per_func.view(acc.num_processes, -1, rewards_per_func.shape[1])[acc.process_index]
-            rewards = summed_rewards(local, self.reward_weights).view(wanted, n)
-            rounds.add(prompts, batch, local, rewards, passing_groups(rewards, args.prompt_filter))
-        batch, local_rewards_per_func = rounds.join(self._tokenizer.pad_token_id or 0)
+            rewards = summed_rewards(local, self.reward_weights).view(-1, n)
+            if filter_column is not None:
+                signal = local[:, filter_column].view(-1, n)
+            elif self.multi_objective_aggregation == "normalize_then_sum":
+                signal = aggregate_rewards(
+                    local.view(-1, n, local.shape[1]), self.reward_weights, "normalize_then_sum"
+                )
+            else:
+                signal = rewards
+            rounds.add(
+                prompts, batch, local, rewards, passing_groups(signal, args.prompt_filter), signal, size
+            )
+        self._pods_pass_share = share
+        exhausted = args.prompt_filter_exhausted if args.prompt_filter != "none" else "pad"
+        if exhausted == "error" and most(int(rounds.num_passed < wanted)):
+            raise PromptFilterExhausted(exhausted_message(rounds.num_passed, wanted))
+        batch, local_rewards_per_func = rounds.join(self._tokenizer.pad_token_id or 0, exhausted)
         rewards_per_func = acc.gather(local_rewards_per_func)  # [all processes x P x n, functions], as TRL's
-        rounds.finish(acc, args.prompt_filter)
+        rounds.finish(acc, args.prompt_filter, share)
         if self._pods_greso is not None:
             keys = acc.gather(torch.tensor(rounds.ids, device=acc.device)).tolist()
-            outcomes = acc.gather(
-                group_outcomes(rounds.rewards, self._pods_greso.solved_reward).to(acc.device)
-            )
+            outcomes = acc.gather(group_outcomes(rounds.signals, self._pods_greso).to(acc.device))
             history = record_outcomes(self._pods_history, keys, outcomes.tolist())
             if (
                 self.state.epoch is not None and self.state.epoch >= 1
             ):  # as GRESO: adapt after the first epoch
                 history = adapt_exploration(history, outcomes.tolist(), self._pods_greso)
             self._pods_history = history
-            rounds.skip_metrics(acc, history)
+            rounds.skip_metrics(acc, history, args.prompt_skip_mode)
         return batch, rewards_per_func, rounds
 
     @property
@@ -546,20 +736,27 @@ class PODSTrainer(GRPOTrainer):
         step, count = self._pods_generation
         return step * 64 + count
 
-    def _pods_candidates(self, first: list[int], rows: dict[int, dict[str, Any]]) -> Iterator[list[int]]:
-        """This process's candidate prompts (keys), P at a time: its own, then draws from ``train_dataset`` in an
-        order seeded by (seed, step), each process taking its own chunk; ``rows`` learns every key drawn."""
-        yield first
-        acc, wanted = self.accelerator, len(first)
+    def _refill_keys(self, excluded: set[int], rows: dict[int, dict[str, Any]]) -> Iterator[int]:
+        """Further prompts (keys) for this generation, in an order seeded by (seed, step): every row of
+        ``train_dataset`` once, none of ``excluded`` (the batch's prompts on every process) and no prompt twice,
+        then again from the start if the set runs out; ``rows`` learns every key drawn. The same sequence on
+        every process (each takes its own slice of it)."""
         order = refill_order(len(self.train_dataset), self.args.seed, self._pods_seed_step)
-        for chunk in itertools.count():
-            start = (chunk * acc.num_processes + acc.process_index) * wanted
-            keys = []
-            for k in range(wanted):
-                row = self.train_dataset[order[(start + k) % len(order)]]
-                keys.append(prompt_key(row))
-                rows.setdefault(keys[-1], row)
-            yield keys
+        seen = set(excluded)
+        for lap in itertools.count():
+            fresh = False
+            for index in order:
+                row = self.train_dataset[index]
+                key = prompt_key(row)
+                if lap == 0 and key in seen:
+                    continue
+                seen.add(key)
+                fresh = True
+                rows.setdefault(key, row)
+                yield key
+            if not fresh:  # nothing but the batch's own prompts in the whole set
+                for key in sorted(excluded):
+                    yield key
 
     def _defer_logps(self, inputs: list[dict[str, Any]]) -> bool:
         """Whether this batch's old/reference log-probs wait for the selection (training, m < n, text only)."""
@@ -601,6 +798,28 @@ class PODSTrainer(GRPOTrainer):
                     )[0]
 
 
+class _PromptDraws:
+    """``draw(count)`` for :func:`pods.prompt_skip.round_prompts`: the batch's own prompts first, then this process's
+    slice of the shared refill sequence (every process draws the same counts, so the slices never overlap)."""
+
+    def __init__(self, first: list[int], refills: Iterator[int], world: int, rank: int) -> None:
+        self.first, self.refills, self.world, self.rank = list(first), refills, world, rank
+        self._sequence: list[int] = []
+        self._taken = 0  # refill keys drawn per process so far
+
+    def __call__(self, count: int) -> list[int]:
+        own = self.first[:count]
+        self.first = self.first[count:]
+        extra = count - len(own)
+        if extra <= 0:
+            return own
+        start = self._taken * self.world + self.rank * extra
+        while len(self._sequence) < start + extra:
+            self._sequence.append(next(self.refills))
+        self._taken += extra  # the processes' slices of this draw sit side by side in the shared sequence
+        return own + self._sequence[start : start + extra]
+
+
 class _SampledRounds:
     """One process's generation rounds of one TRL generation batch: TRL's batches, local rewards, the filter's
     verdicts; joins the P groups the step trains on, and the metrics of the prompt-level stages."""
@@ -609,20 +828,31 @@ class _SampledRounds:
         self.wanted, self.n, self.world, self.rank = wanted, n, world, rank
         self.ids: list[int] = []
         self.skipped = 0
+        self.drawn = 0
         self.batches: list[dict[str, Any]] = []
         self.local_rewards_per_func: list[torch.Tensor] = []
         self.round_rewards: list[torch.Tensor] = []
+        self.round_signals: list[torch.Tensor] = []
         self.passed: list[torch.Tensor] = []
         self.metrics: dict[str, float] = {}
 
     @property
     def num_passed(self) -> int:
-        return int(torch.cat(self.passed).sum())
+        return int(torch.cat(self.passed).sum()) if self.passed else 0
 
     @property
     def rewards(self) -> torch.Tensor:
-        """``[local groups, n]`` over every round."""
+        """``[local groups, n]`` summed rewards over every round."""
         return torch.cat(self.round_rewards)
+
+    @property
+    def signals(self) -> torch.Tensor:
+        """``[local groups, n]`` the reward the prompt stages read, over every round."""
+        return torch.cat(self.round_signals)
+
+    @property
+    def round_sizes(self) -> list[int]:
+        return [len(rewards) for rewards in self.round_rewards]
 
     def add(
         self,
@@ -631,57 +861,71 @@ class _SampledRounds:
         local_rewards_per_func: torch.Tensor,
         rewards: torch.Tensor,
         passed: torch.Tensor,
+        signal: torch.Tensor,
+        drawn: int,
     ) -> None:
-        """Record one round: its prompts, TRL's batch, this process's rewards (per function and summed ``[P, n]``)."""
+        """Record one round: its prompts, TRL's batch, this process's rewards (per function and summed ``[k, n]``)."""
         self.ids.extend(prompts.ids)
         self.skipped += prompts.skipped
+        self.drawn += drawn
         self.batches.append(batch)
         self.local_rewards_per_func.append(local_rewards_per_func)
         self.round_rewards.append(rewards)
+        self.round_signals.append(signal)
         self.passed.append(passed.cpu())
 
-    def join(self, pad_id: int) -> tuple[dict[str, Any], torch.Tensor]:
-        """The P groups to train on (those that passed first) as one TRL batch, and their rewards per function:
-        this process's rewards ``[P x n, functions]``."""
-        self.positions = fill_groups(torch.cat(self.passed), self.wanted)
+    def join(self, pad_id: int, exhausted: str) -> tuple[dict[str, Any], torch.Tensor]:
+        """The P groups to train on (those that passed first; past the bound as ``exhausted`` says) as one TRL
+        batch, and their rewards per function (this process's ``[P x n, functions]``). With fewer than P groups in
+        all (GRESO's shrink), the first groups are repeated as fillers that weigh nothing (``trained`` False)."""
+        taken = fill_groups(torch.cat(self.passed), self.wanted, exhausted)
+        fillers = self.wanted - taken.positions.numel()
+        self.positions = torch.cat([taken.positions, taken.positions.repeat(fillers)[:fillers]])
+        self.trained = torch.cat([taken.trained, torch.zeros(fillers, dtype=torch.bool)])
         rows = (self.positions.unsqueeze(1) * self.n + torch.arange(self.n)).reshape(-1)
         joined = concat_batches(self.batches, pad_id)
         batch = take_rows(joined, rows, joined["prompt_ids"].shape[0])
         local = torch.cat(self.local_rewards_per_func)[rows.to(self.local_rewards_per_func[0].device)]
         return batch, local
 
-    def finish(self, accelerator: Any, prompt_filter: str) -> None:
+    @property
+    def rollouts_generated(self) -> int:
+        return self.all_rewards.numel()
+
+    def finish(self, accelerator: Any, prompt_filter: str, share: PassShare) -> None:
         """Gather what every process generated (rewards, trained positions) and count the filter's work."""
         device = accelerator.device
-        all_rounds = torch.stack([r.to(device) for r in self.round_rewards])  # [R, P, n]
-        self.all_rewards = accelerator.gather(all_rounds.unsqueeze(0)).reshape(-1, self.n)  # process-major
+        mine = torch.cat(self.round_rewards).to(device)  # [local groups, n]; the same count on every process
+        self.all_rewards = accelerator.gather(mine.unsqueeze(0)).reshape(-1, self.n)  # process-major
         self.all_positions = accelerator.gather(self.positions.to(device).unsqueeze(0)).cpu()  # [world, P]
+        self.all_trained = accelerator.gather(self.trained.to(device).unsqueeze(0)).cpu()
         if prompt_filter == "none":
             return
         passed = torch.cat(self.passed)
-        trained_passed = int(passed[self.positions].sum())
-        counts = torch.tensor(
-            [len(passed) - int(passed.sum()) - (self.wanted - trained_passed), self.wanted - trained_passed],
-            device=device,
-        )
+        trained_passed = int(passed[self.positions][self.trained].sum())
+        unfilled = self.wanted - trained_passed
+        counts = torch.tensor([len(passed) - int(passed.sum()) - unfilled, unfilled], device=device)
         dropped, unfilled = accelerator.gather(counts.unsqueeze(0)).sum(dim=0).tolist()
+        first = self.round_sizes[0]
         self.metrics.update(
             {
                 "pods/filter/num_gen_batches": len(self.batches),
+                "pods/filter/first_round_prompts": first,
                 "pods/filter/groups_dropped": dropped,
-                "pods/filter/extra_rollouts": (len(self.batches) - 1) * self.wanted * self.n * self.world,
+                "pods/filter/extra_rollouts": (len(passed) - first) * self.n * self.world,
                 "pods/filter/groups_unfilled": unfilled,
+                "pods/filter/pass_share": float("nan") if share.share is None else share.share,
             }
         )
 
-    def skip_metrics(self, accelerator: Any, history: PromptHistory) -> None:
-        """GRESO's metrics: prompts skipped over every process, the rollouts they would have cost, the rates."""
+    def skip_metrics(self, accelerator: Any, history: PromptHistory, mode: str) -> None:
+        """GRESO's metrics: prompts skipped (not generated) over every process, the rollouts that saved, the rates."""
         skipped = int(accelerator.gather(torch.tensor([self.skipped], device=accelerator.device)).sum())
         state = history.to_state()
         self.metrics.update(
             {
                 "pods/skip/prompts_skipped": skipped,
-                "pods/skip/rollouts_saved": skipped * self.n,
+                "pods/skip/rollouts_saved": skipped * self.n if mode == "shrink" else 0,
                 "pods/skip/exploration_solved": state["exploration_solved"],
                 "pods/skip/exploration_failed": state["exploration_failed"],
             }
@@ -690,10 +934,25 @@ class _SampledRounds:
     def logged_advantages(self, trained: torch.Tensor, accelerator: Any) -> torch.Tensor:
         """The completions table's advantages for every row TRL logged this generation (each round, every
         process's rows in turn), from ``trained[all processes x P, n]`` (NaN where not kept)."""
-        rounds = len(self.batches)
-        logged = torch.full((rounds, self.world, self.wanted, self.n), float("nan"), dtype=trained.dtype)
-        process = torch.arange(self.world).unsqueeze(1)
-        logged[self.all_positions // self.wanted, process, self.all_positions % self.wanted] = (
-            trained.cpu().view(self.world, self.wanted, self.n)
-        )
-        return logged
+        sizes = self.round_sizes
+        starts = torch.tensor([0, *sizes]).cumsum(0)
+        logged = [torch.full((self.world, size, self.n), float("nan"), dtype=trained.dtype) for size in sizes]
+        values = trained.cpu().view(self.world, self.wanted, self.n)
+        for process in range(self.world):
+            for slot in range(self.wanted):
+                if not self.all_trained[process, slot]:
+                    continue
+                position = int(self.all_positions[process, slot])
+                round_index = int((starts[1:] <= position).sum())
+                logged[round_index][process, position - int(starts[round_index])] = values[process, slot]
+        return torch.cat([part.reshape(-1, self.n) for part in logged])
+
+
+def _read_stage_state(folder: Path) -> dict[str, Any]:
+    """The prompt-level stages' state in a checkpoint folder (``{}`` when none), or GRESO's history as older
+    versions of pods wrote it."""
+    path = folder / PROMPT_STAGES_STATE_FILE
+    if path.is_file():
+        return json.loads(path.read_text())
+    legacy = folder / LEGACY_PROMPT_SKIP_STATE_FILE
+    return {"prompt_history": json.loads(legacy.read_text())} if legacy.is_file() else {}
