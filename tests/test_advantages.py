@@ -7,7 +7,17 @@ import math
 import pytest
 import torch
 
-from pods.advantages import downsample, group_advantages, zero_variance_groups
+from pods.advantages import (
+    aggregate_rewards,
+    difficulty_counts,
+    downsample,
+    group_advantages,
+    restore_signal,
+    zero_variance_groups,
+)
+from pods.selection import select
+
+NAN = float("nan")
 
 
 def test_group_scale_matches_hand_computation() -> None:
@@ -110,3 +120,86 @@ def test_unscorable_completions_follow_trl_rule() -> None:
     expected = (scored - scored.mean()) / (scored.std() + 1e-4)
     torch.testing.assert_close(out.advantages[1][~out.rewards[1].isnan()], expected.float())
     assert downsample(torch.full((1, 4), nan), 2).advantages.tolist() == [[0.0, 0.0]]
+
+
+# ------------------------------------------------------------------------------ several rewards, adaptive k, signal
+
+
+def test_aggregate_rewards_sums_or_normalises_each_function_first() -> None:
+    parts = torch.tensor([[[1.0, 10.0], [0.0, 30.0], [NAN, NAN]], [[2.0, NAN], [4.0, 5.0], [0.0, 5.0]]])
+    weights = torch.tensor([1.0, 0.5])
+    summed = aggregate_rewards(parts, weights)
+    torch.testing.assert_close(summed[:, :2], torch.tensor([[6.0, 15.0], [2.0, 6.5]], dtype=torch.float64))
+    assert summed[0, 2].isnan() and not summed[1, 2].isnan()  # every function None: unscorable
+    gdpo = aggregate_rewards(parts, weights, "normalize_then_sum")
+    # group 0: function 1 over (1, 0) -> (+-0.5 / std 0.7071), function 2 over (10, 30) -> (-+10 / 14.142)
+    z1, z2 = 0.5 / (math.sqrt(0.5) + 1e-4), 10 / (math.sqrt(200) + 1e-4)
+    torch.testing.assert_close(
+        gdpo[0, :2], torch.tensor([z1 - 0.5 * z2, -z1 + 0.5 * z2], dtype=torch.float64)
+    )
+    # group 1: function 1 over (2, 4, 0), function 2 over (5, 5) only (None left out): a zero spread adds 0
+    f1 = torch.tensor([2.0, 4.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(gdpo[1], (f1 - f1.mean()) / (f1.std() + 1e-4))
+    with pytest.raises(ValueError, match="unknown multi_objective_aggregation"):
+        aggregate_rewards(parts, weights, "mean")
+
+
+def test_difficulty_counts_follow_the_quartiles_of_the_group_means() -> None:
+    means = torch.tensor([0.9, 0.1, 0.5, 0.7, 0.3, NAN])
+    # quartiles of the finite means 0.1 .. 0.9: 0.3, 0.5, 0.7; above 0.7 easiest, at or below 0.3 hardest
+    assert difficulty_counts(means, [2, 3, 4, 5]).tolist() == [2, 5, 4, 3, 5, 5]
+    assert difficulty_counts(torch.tensor([0.5, 0.5, 0.5]), [2, 3, 4, 5]).tolist() == [5, 5, 5]  # ties share
+    assert difficulty_counts(torch.tensor([NAN, NAN]), [2, 3, 4, 5]).tolist() == [5, 5]
+
+
+def test_restore_signal_swaps_one_kept_rollout_where_a_spread_was_lost() -> None:
+    rewards = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 1.0, 0.0]])
+    kept = torch.tensor([[0, 1], [0, 1], [0, 1]])
+    valid = torch.ones(3, 2, dtype=torch.bool)
+    lengths = torch.tensor([[5.0, 9.0, 7.0, 3.0], [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    restored, changed = restore_signal(rewards, kept, valid, lengths)
+    assert changed == 1  # the all-equal group has nothing to restore; the third already has a spread
+    assert restored.tolist() == [[0, 3], [0, 1], [0, 1]]  # longest kept (9 tokens) out, shortest other (3) in
+    by_position, _ = restore_signal(rewards, kept, valid)
+    assert by_position[0].tolist() == [0, 2]  # without lengths: the last kept out, the first other in
+    # a filler position holding the rollout brought in gets the one taken out (no rollout twice)
+    fillers = restore_signal(rewards[:1], torch.tensor([[0, 1, 2]]), torch.tensor([[True, True, False]]))[0]
+    assert fillers.tolist() == [[0, 2, 1]]
+
+
+def test_downsample_keeps_k_per_group_and_fillers_weigh_nothing() -> None:
+    rewards = torch.tensor([[0.0, 1.0, 0.5, 0.2, 0.9], [1.0, 0.0, 0.0, 1.0, 0.3]])
+    chosen = downsample(rewards, 3, kept_counts=torch.tensor([2, 3]))
+    assert chosen.trained.tolist() == [[True, True, False], [True, True, True]]
+    assert chosen.kept[0, :2].tolist() == select(rewards[:1], 2).tolist()[0] == [0, 1]
+    assert chosen.kept[1].tolist() == select(rewards[1:], 3).tolist()[0]
+    assert chosen.kept[0, 2].item() not in (0, 1) and chosen.advantages[0, 2] == 0
+    torch.testing.assert_close(chosen.advantages[0, :2], group_advantages(torch.tensor([[0.0, 1.0]]))[0])
+    with pytest.raises(ValueError, match=r"counts must be in 1\.\.m = 3"):
+        downsample(rewards, 3, kept_counts=torch.tensor([4, 3]))
+
+
+def test_downsample_keep_signal_under_a_length_rule() -> None:
+    rewards = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0]])
+    lengths = torch.tensor([[2.0, 3.0, 9.0, 8.0, 4.0]])
+    plain = downsample(rewards, 2, "shortest", lengths=lengths)
+    assert plain.kept.tolist() == [[0, 1]] and plain.advantages.abs().sum() == 0  # no signal left
+    kept = downsample(rewards, 2, "shortest", lengths=lengths, keep_signal=True)
+    assert kept.kept.tolist() == [[0, 3]] and kept.signal_restored == 1 and kept.advantages.abs().sum() > 0
+
+
+def test_downsample_normalize_then_sum_trains_on_the_mode_over_the_kept_rows() -> None:
+    parts = torch.tensor(
+        [[[1.0, 3.0], [0.0, 2.0], [1.0, 0.0], [0.0, 9.0]], [[0.0, 1.0], [1.0, 1.0], [1.0, 4.0], [0.0, 0.0]]],
+        dtype=torch.float64,
+    )
+    weights = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    ranked = aggregate_rewards(parts, weights, "normalize_then_sum")
+    chosen = downsample(ranked, 2, components=parts, weights=weights)
+    assert chosen.kept.tolist() == select(ranked, 2).tolist()
+    kept = parts.gather(1, chosen.kept.unsqueeze(2).expand(-1, -1, 2))
+    summed = (
+        ((kept - kept.mean(dim=1, keepdim=True)) / (kept.std(dim=1, keepdim=True) + 1e-4)) * weights
+    ).sum(2)
+    expected = (summed - summed.mean()) / (summed.std() + 1e-4)
+    torch.testing.assert_close(chosen.advantages, expected)

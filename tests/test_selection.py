@@ -281,11 +281,26 @@ def test_shortest_and_reward_per_token_match_brute_force() -> None:
             assert torch.equal(lengths.gather(1, kept).sum(dim=1), fewest)
             kept = select(rewards, m, "reward_per_token", lengths=lengths)
             assert_valid_indices(kept, 40, n, m)
-            efficiency = rewards / lengths.clamp_min(1)
+            tokens = lengths.clamp_min(1)
+            efficiency = torch.where(rewards >= 0, rewards / tokens, rewards * tokens)
             best = (
                 efficiency[:, subsets].sum(dim=2).max(dim=1).values
             )  # the m best ratios have the largest sum
             torch.testing.assert_close(efficiency.gather(1, kept).sum(dim=1), best, rtol=1e-12, atol=1e-12)
+
+
+def test_reward_per_token_ranks_a_long_wrong_answer_below_a_short_one() -> None:
+    """With negative rewards reward / length would prefer the longest wrong answer (-1/1000 > -1/10): a negative
+    reward counts as reward x length instead, so the short wrong answer is kept and the long one is not."""
+    rewards = torch.tensor([[1.0, -1.0, -1.0]])
+    lengths = torch.tensor([[100.0, 10.0, 1000.0]])
+    assert select(rewards, 2, "reward_per_token", lengths=lengths).tolist() == [[0, 1]]
+    assert select(
+        torch.tensor([[-2.0, -1.0, 0.0]]), 1, "reward_per_token", lengths=[[1.0, 5.0, 9.0]]
+    ).tolist() == [[2]]  # zero beats every negative, whatever the lengths
+    # reward x length: -2 in 1 token (-2) ranks above -1 in 5 tokens (-5), and below -1 in 1 token
+    assert select(torch.tensor([[-2.0, -1.0]]), 1, "reward_per_token", lengths=[[1.0, 5.0]]).tolist() == [[0]]
+    assert select(torch.tensor([[-2.0, -1.0]]), 1, "reward_per_token", lengths=[[1.0, 1.0]]).tolist() == [[1]]
 
 
 def test_length_rules_break_ties_as_documented() -> None:
