@@ -65,6 +65,32 @@ def test_parse_overrides() -> None:
         ({"temperature": -1}, "temperature"),
         ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size: must be 1.*accelerate launch"),
         ({"vllm_max_num_batched_tokens": 0}, "vllm_max_num_batched_tokens: must be at least 1"),
+        ({"max_num_gen_batches": -1}, "max_num_gen_batches: must be at least 1 .* or 0 for no bound"),
+        ({"prompt_filter_exhausted": "wait"}, "prompt_filter_exhausted: unknown value 'wait'"),
+        (
+            {"prompt_skip_mode": "drop"},
+            "prompt_skip_mode: unknown value 'drop'; choose one of shrink, replace",
+        ),
+        ({"generation_batch_prompts": "auto"}, "generation_batch_prompts: oversamples .* set prompt_filter"),
+        (
+            {"generation_batch_prompts": 8, "prompt_filter": "nonzero_std"},
+            r"generation_batch_prompts: must be null, auto, or a number of prompts of at least prompts_per_step \(16\)",
+        ),
+        (
+            {"prompt_skip_solved_mean": 0.5, "prompt_skip_failed_mean": 0.5},
+            "must be below prompt_skip_solved_mean",
+        ),
+        ({"num_generations_kept_by_difficulty": [2, 3, 4]}, "must list 4 counts kept per group"),
+        ({"num_generations_kept_by_difficulty": [1, 2, 4, 4]}, r"each from 2 to num_generations_kept \(4\)"),
+        (
+            {
+                "num_generations_kept_by_difficulty": [2, 2, 4, 4],
+                "selection_rule": "all",
+                "num_generations": 4,
+            },
+            "other than 'all'",
+        ),
+        ({"multi_objective_aggregation": "mean"}, "multi_objective_aggregation: unknown value 'mean'"),
     ],
 )
 def test_bad_settings_name_the_key(values: dict, message: str) -> None:

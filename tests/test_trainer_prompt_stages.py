@@ -1,6 +1,7 @@
 """The prompt-level stages wired into ``pods train``'s loop, on a tiny real model: rounds sized to what is missing,
 the three endings past the refill bound, no bound, GRESO's skipping that shrinks rounds (or replaces), the epoch
-counting every prompt drawn, the filter's own reward, and the length rules and adaptive k under the filter."""
+counting every prompt drawn, the filter's own reward, the length rules and adaptive k under the filter, and several
+reward functions normalised then summed (GDPO)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from pods.prompt_skip import (
     record_outcomes,
     round_prompts,
 )
+from pods.selection import select
 
 SCRIPT = Path(__file__).parent / "scripts" / "tiny_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -379,3 +381,49 @@ def test_adaptive_k_keeps_fewer_of_easy_groups(tiny_model_dir: Path, tmp_path: P
         assert bool((weighs[easiest & (means > torch.quantile(means, 0.5))] == 2).all())
         assert set(weighs.tolist()) <= {2, 4}
     assert any(2 in torch.tensor(u["trained"]).view(-1, 4).sum(dim=1).tolist() for u in trainer.updates)
+
+
+def test_normalize_then_sum_ranks_on_the_gdpo_quantity_and_logs_the_weighted_reward(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """multi_objective_aggregation: normalize_then_sum (TRL's GDPO mode) in pods train: the rule keeps the
+    max-variance m of each group by the sum of the functions' group-normalised rewards (not by the weighted sum, which
+    the large-scale function dominates), while the logged reward stays the weighted sum."""
+    scored: list[list[float]] = []
+
+    def long_text(prompts, completions, **columns):
+        values = [100.0 * len(text) for text in completions]
+        scored.append(values)
+        return values
+
+    def has_a(prompts, completions, **columns):
+        values = [float("a" in text) for text in completions]
+        scored[-1] = list(zip(scored[-1], values, strict=True))
+        return values
+
+    config = tiny_config(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=3,
+        num_generations=8,
+        prompts_per_step=4,
+        micro_batch_size=8,
+        multi_objective_aggregation="normalize_then_sum",
+        reward_weights=[1.0, 2.0],
+        save_final=False,
+    )
+    trainer = RecordingTrainer(config, reward_funcs=[long_text, has_a], train_dataset=tiny_dataset())
+    trainer.train()
+    weights = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    differs = 0
+    for step, (values, update) in enumerate(zip(scored, trainer.updates, strict=True)):
+        parts = torch.tensor(values, dtype=torch.float64).view(4, 8, 2)
+        z = (parts - parts.mean(dim=1, keepdim=True)) / (parts.std(dim=1, keepdim=True) + 1e-4)
+        ranked = (z * weights).sum(dim=2)
+        kept = select(ranked, 2, "max_variance")
+        texts = trainer.scored[step]["texts"]
+        assert update["texts"] == [texts[g * 8 + k] for g in range(4) for k in kept[g].tolist()]
+        differs += not torch.equal(kept, select(parts @ weights, 2, "max_variance"))
+        row = read_jsonl(tmp_path / "metrics.jsonl")[step]
+        assert row["reward"] == pytest.approx((parts @ weights).mean().item())
+    assert differs > 0, "the weighted sum kept the same rows: no teeth"

@@ -580,6 +580,7 @@ def test_greso_in_trl_skips_prompts_and_checkpoints_its_history(tiny_model_dir, 
     assert all(log["pods/skip/rollouts_saved"] == 4 * log["pods/skip/prompts_skipped"] for log in logs)
     # shrink: a skipped prompt is not generated for, so a step generates fewer rollouts than its 2 x 4
     assert all(log["pods/rollouts_generated"] == 8 - log["pods/skip/rollouts_saved"] for log in logs)
+    assert [log["pods/epoch"] for log in logs] == pytest.approx([2 * (step + 1) / 6 for step in range(6)])
     saved = json.loads((tmp_path / "checkpoint-6" / PROMPT_STAGES_STATE_FILE).read_text())
     assert saved["prompt_history"] == trainer._pods_history.to_state() and saved["prompt_history"]["streaks"]
     assert (tmp_path / "checkpoint-3" / PROMPT_STAGES_STATE_FILE).is_file()

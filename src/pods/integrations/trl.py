@@ -437,6 +437,9 @@ class PODSTrainer(GRPOTrainer):
             )
         self._pods_history = PromptHistory.start(self._pods_greso) if self._pods_greso else None
         self._pods_pass_share = PassShare()  # the filter's running share of groups that pass
+        self._pods_prompts_drawn = (
+            0  # prompts drawn on every process, TRL's batches and refills: the stages' epoch
+        )
         self._pods_generation = (-1, 0)  # (global step, training generations in it so far): seeds the refills
         if (args.prompt_filter != "none" or self._pods_greso) and not hasattr(self.train_dataset, "__len__"):
             raise ValueError(
@@ -478,6 +481,7 @@ class PODSTrainer(GRPOTrainer):
             if self._pods_greso is not None:
                 self._pods_history = PromptHistory.from_state(state["prompt_history"], self._pods_greso)
             self._pods_pass_share = PassShare.from_state(state.get("pass_share"))
+            self._pods_prompts_drawn = state.get("prompts_drawn", 0)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -492,6 +496,7 @@ class PODSTrainer(GRPOTrainer):
             state = {
                 "prompt_history": None if self._pods_history is None else self._pods_history.to_state(),
                 "pass_share": self._pods_pass_share.to_state(),
+                "prompts_drawn": self._pods_prompts_drawn,
             }
             (folder / PROMPT_STAGES_STATE_FILE).write_text(json.dumps(state))
 
@@ -712,19 +717,20 @@ class PODSTrainer(GRPOTrainer):
                 prompts, batch, local, rewards, passing_groups(signal, args.prompt_filter), signal, size
             )
         self._pods_pass_share = share
+        epoch = self._pods_prompts_drawn / len(self.train_dataset)  # before this generation's draws
+        self._pods_prompts_drawn += draw.count * acc.num_processes
         exhausted = args.prompt_filter_exhausted if args.prompt_filter != "none" else "pad"
         if exhausted == "error" and most(int(rounds.num_passed < wanted)):
             raise PromptFilterExhausted(exhausted_message(rounds.num_passed, wanted))
         batch, local_rewards_per_func = rounds.join(self._tokenizer.pad_token_id or 0, exhausted)
         rewards_per_func = acc.gather(local_rewards_per_func)  # [all processes x P x n, functions], as TRL's
         rounds.finish(acc, args.prompt_filter, share)
+        rounds.metrics["pods/epoch"] = self._pods_prompts_drawn / len(self.train_dataset)
         if self._pods_greso is not None:
             keys = acc.gather(torch.tensor(rounds.ids, device=acc.device)).tolist()
             outcomes = acc.gather(group_outcomes(rounds.signals, self._pods_greso).to(acc.device))
             history = record_outcomes(self._pods_history, keys, outcomes.tolist())
-            if (
-                self.state.epoch is not None and self.state.epoch >= 1
-            ):  # as GRESO: adapt after the first epoch
+            if epoch >= 1:  # as GRESO: adapt after the first epoch (of every prompt drawn, refills included)
                 history = adapt_exploration(history, outcomes.tolist(), self._pods_greso)
             self._pods_history = history
             rounds.skip_metrics(acc, history, args.prompt_skip_mode)
@@ -806,8 +812,10 @@ class _PromptDraws:
         self.first, self.refills, self.world, self.rank = list(first), refills, world, rank
         self._sequence: list[int] = []
         self._taken = 0  # refill keys drawn per process so far
+        self.count = 0  # keys drawn on this process
 
     def __call__(self, count: int) -> list[int]:
+        self.count += count
         own = self.first[:count]
         self.first = self.first[count:]
         extra = count - len(own)
