@@ -19,6 +19,7 @@ SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py"))
 FIGURES = {  # a line of figures each script prints at --smoke size
     "arith_generation.py": r"^shipped model: 2 prompts x 2 samples x 32 tokens: [\d.]+ s",
     "logprobs_memory.py": r"^backward +[\d.]+ +[\d.]+ +([\d.]+|nan)$",
+    "prompt_rounds.py": r"^\| 0\.77 \| [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\) \|$",
     "rewards.py": r"^agreement with is_correct labels: \d+/\d+ \([\d.]+%\)",
     "rollout_engines.py": r"^\| embedded, 2 prompts x 2, 4 tokens \| [\d.]+ s \(\d+ tokens\) \| [\d.]+ s",
     "selection.py": r"^\| 4 \| 16 \| 4 \| [\d.]+ (us|ms) \| [\d.]+ (us|ms) \| \d+x \|",

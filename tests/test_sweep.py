@@ -342,3 +342,23 @@ def test_auto_is_set_against_the_best_fixed_n_with_the_same_other_keys() -> None
     assert result["best_fixed"] == "n16" and result["within_or_better"]
     rows["auto"]["accuracy_at_budget"]["value"] = 0.73
     assert not auto_against_best_fixed(rows)[0]["within_or_better"]
+
+
+def test_rollouts_per_step_and_per_useful_group_come_from_the_runs_counts() -> None:
+    """Each seed's rollouts over its steps and over its groups trained with a signal, then the mean over seeds;
+    a run that did not log the counts leaves them out (an older run folder)."""
+
+    def run(seed: int, generated: int | None, useful: int | None) -> SeedRun:
+        curve = [0.2, 0.4, 0.6, 0.6, 0.6]
+        return SeedRun(
+            "a", seed, Path("."), [0, 5, 10, 15, 20], [0.0, 10.0, 20.0, 30.0, 40.0], curve, [100] * 5, 20,
+            2.0, 1.5, 0.5, 4, rollouts_generated=generated, groups_with_signal=useful,
+        )  # fmt: skip
+
+    summary = summarise([run(0, 2000, 100), run(1, 1000, 25)], [Arm("a", {})], baseline="a")
+    row = summary["arms"]["a"]
+    assert row["rollouts_per_step"] == pytest.approx((100 + 50) / 2)  # 2000 / 20 and 1000 / 20 steps
+    assert row["rollouts_per_useful_group"] == pytest.approx((20 + 40) / 2)
+    assert "| 75 (30.0) |" in format_summary(summary)
+    older = summarise([run(0, None, None), run(1, 1000, 25)], [Arm("a", {})], baseline="a")
+    assert "rollouts_per_step" not in older["arms"]["a"] and "| - |" in format_summary(older)

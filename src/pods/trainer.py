@@ -1,16 +1,18 @@
 """The PODS trainer. One step, per prompt (a group), reads top to bottom in :meth:`PODSTrainer.train`:
 
-0. choose the step's prompts, skipping those predicted to give all-equal rewards (``prompt_skip``, GRESO);
+0. draw the round's prompts from the stream, skipping those predicted to give all-equal rewards
+   (``prompt_skip``, GRESO);
 1. generate n completions with the current policy;
 2. score them with the reward functions (summed into one reward each);
-   with a ``prompt_filter`` (DAPO), drop groups whose rewards are all equal and repeat 0-2 for more prompts,
-   at most ``max_num_gen_batches`` rounds, until the step has P groups that pass;
+   with a ``prompt_filter`` (DAPO), drop groups whose rewards are all equal and repeat 0-2 for as many
+   prompts as are missing, at most ``max_num_gen_batches`` rounds, until the step has P groups that pass;
 3. select m of the n with a down-sampling rule (per group, never across groups);
 4. compute group-relative advantages over the m kept;
 5. compute the GRPO loss on the m kept only and take an optimizer step.
 
-GRPO is the special case m = n. The prompt-level stages are pure functions in :mod:`pods.prompt_skip` and
-:mod:`pods.prompt_filter`, the rules in :mod:`pods.selection` (docs/selection.md). ``accelerate`` supplies devices, DDP / DeepSpeed / FSDP, mixed precision,
+GRPO is the special case m = n. Stages 0-2 are the producer (:meth:`PODSTrainer._generate_groups`), 3-5 the
+consumer. The prompt-level stages are pure functions in :mod:`pods.prompt_skip` and :mod:`pods.prompt_filter`,
+the rules in :mod:`pods.selection` (docs/selection.md). ``accelerate`` supplies devices, DDP / DeepSpeed / FSDP, mixed precision,
 trackers and state saving: each process generates and selects for its own prompts, so a group never
 spans processes, and gradients are synchronised as usual.
 """

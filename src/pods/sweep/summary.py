@@ -43,6 +43,8 @@ class SeedRun:
     seconds_update: float
     mean_num_generations: float
     extra: dict[str, Any] = field(default_factory=dict)
+    rollouts_generated: int | None = None  # over the run (None: a run logged before the metric existed)
+    groups_with_signal: int | None = None  # groups trained on with a spread, over the run
 
 
 def load_seed_run(arm: str, seed: int, run_dir: Path) -> SeedRun:
@@ -65,7 +67,15 @@ def load_seed_run(arm: str, seed: int, run_dir: Path) -> SeedRun:
         seconds_generate=mean("seconds_generate"),
         seconds_update=mean("seconds_update"),
         mean_num_generations=mean("num_generations"),
+        rollouts_generated=_total(metrics, "pods/rollouts_generated"),
+        groups_with_signal=_total(metrics, "pods/groups_trained_with_signal"),
     )
+
+
+def _total(metrics: list[dict[str, Any]], key: str) -> int | None:
+    """The sum of a per-step count over the run, or None where a step did not log it."""
+    values = [row.get(key) for row in metrics]
+    return None if not values or None in values else int(sum(values))
 
 
 def summarise(
@@ -106,6 +116,7 @@ def summarise(
             "seconds_generate_per_step": _mean([r.seconds_generate for r in arm_runs]),
             "seconds_update_per_step": _mean([r.seconds_update for r in arm_runs]),
             "mean_num_generations": _mean([r.mean_num_generations for r in arm_runs]),
+            **rollout_counts(arm_runs),
         }
         if base_name in targets:
             row["baseline"] = base_name
@@ -126,6 +137,17 @@ def summarise(
         if still_climbing(_curves(by_arm[name]))
     }
     return summary
+
+
+def rollout_counts(runs: list[SeedRun]) -> dict[str, float]:
+    """Rollouts generated per step and per group trained with a signal (each seed's, then their mean): what a
+    step's generation cost, and what one useful group cost. Empty for runs that did not log the counts."""
+    if any(r.rollouts_generated is None or not r.groups_with_signal or not r.steps for r in runs):
+        return {}
+    return {
+        "rollouts_per_step": _mean([r.rollouts_generated / r.steps for r in runs]),
+        "rollouts_per_useful_group": _mean([r.rollouts_generated / r.groups_with_signal for r in runs]),
+    }
 
 
 def auto_against_best_fixed(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -251,8 +273,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     reach_header = f"seconds to {_pct(target)}" if target is not None else "seconds to its baseline's target"
     lines = [
         f"| arm | accuracy at budget (95% CI) | best accuracy | {reach_header} | "
-        "s/step (generate + update) | steps |",
-        "|---|---|---|---|---|---|",
+        "s/step (generate + update) | rollouts per step (per useful group) | steps |",
+        "|---|---|---|---|---|---|---|",
     ]
     for arm, row in summary["arms"].items():
         at, best = row["accuracy_at_budget"], row["best_accuracy"]
@@ -263,7 +285,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"| {arm} | {_pct_ci(at)} +-{100 * row['accuracy_at_budget_se_over_problems']:.1f} over problems | "
             f"{_pct_ci(best)} | {reach} | "
             f"{row['seconds_per_step']:.2f} ({row['seconds_generate_per_step']:.2f} + "
-            f"{row['seconds_update_per_step']:.2f}) | {', '.join(map(str, row['steps']))} |"
+            f"{row['seconds_update_per_step']:.2f}) | {_rollouts(row)} | {', '.join(map(str, row['steps']))} |"
         )
     for item in summary.get("auto_vs_best_fixed", []):
         best = item["best_fixed_accuracy"]
@@ -293,6 +315,12 @@ def format_summary(summary: dict[str, Any]) -> str:
             parts = [f"{_metric_name(name, value)} {_speedup(value)}" for name, value in row[key].items()]
             lines.append(f"  {unit}: " + "; ".join(parts))
     return "\n".join(lines)
+
+
+def _rollouts(row: dict[str, Any]) -> str:
+    if "rollouts_per_step" not in row:
+        return "-"
+    return f"{row['rollouts_per_step']:.0f} ({row['rollouts_per_useful_group']:.1f})"
 
 
 def _metric_name(name: str, value: dict[str, Any]) -> str:
