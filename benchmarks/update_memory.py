@@ -202,9 +202,9 @@ def run_config(model_dir: str, n: int, m: int, length: int, workdir: str) -> dic
     )
     probe, measured, update = PeakMemory(trainer.accelerator.device), {}, trainer._update
 
-    def measured_update(state, batch, advantages):
+    def measured_update(state, batch, advantages, trained):
         probe.start()
-        result = update(state, batch, advantages)
+        result = update(state, batch, advantages, trained)
         measured["update_peak"], measured["absolute_peak"] = probe.stop()
         measured["rows"], measured["width"] = tuple(batch.completion_ids.shape)
         return result

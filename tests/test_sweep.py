@@ -362,3 +362,19 @@ def test_rollouts_per_step_and_per_useful_group_come_from_the_runs_counts() -> N
     assert "| 75 (30.0) |" in format_summary(summary)
     older = summarise([run(0, None, None), run(1, 1000, 25)], [Arm("a", {})], baseline="a")
     assert "rollouts_per_step" not in older["arms"]["a"] and "| - |" in format_summary(older)
+
+
+def test_a_run_saved_before_a_key_existed_matches_that_keys_default(tmp_path: Path) -> None:
+    """A finished run's config.yaml written by an older pods lacks the keys added since: it ran as their
+    defaults, so it still matches settings that keep them (and not settings that change them)."""
+    import yaml
+
+    from pods.sweep.run import _setting_differences
+
+    wanted = TrainConfig(max_steps=2, max_time=None)
+    saved = wanted.to_dict()
+    del saved["prompt_filter_exhausted"], saved["async_generation"]  # keys newer than the run
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert _setting_differences(tmp_path, wanted) == []
+    changed = TrainConfig(max_steps=2, max_time=None, async_generation=True)
+    assert _setting_differences(tmp_path, changed) == ["async_generation: None then, True now"]

@@ -144,11 +144,12 @@ def _setting_differences(run_dir: Path, wanted: TrainConfig) -> list[str] | None
     if not path.is_file():
         return None
     saved = yaml.safe_load(path.read_text()) or {}
+    defaults = TrainConfig().to_dict()  # a key the run's pods did not have yet: it ran as that key's default
     return [
         f"{key}: {saved.get(key)!r} then, {value!r} now"
         for key, value in wanted.to_dict().items()
         if key not in IGNORED_WHEN_MATCHING
-        and saved.get(key) != value
+        and saved.get(key, defaults[key]) != value
         and not (key == "rollout_engine" and value == "auto")  # config.yaml holds what auto chose
     ]
 
