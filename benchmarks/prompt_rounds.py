@@ -16,7 +16,9 @@ import torch
 from pods.prompt_filter import PassShare, next_round_size
 
 
-def simulate(p: float, policy: str, *, steps: int, wanted: int, bound: int, seed: int = 0) -> tuple[float, float]:
+def simulate(
+    p: float, policy: str, *, steps: int, wanted: int, bound: int, seed: int = 0
+) -> tuple[float, float]:
     """(prompts generated per group trained with a signal, divided by 1 / p; rounds per step) over ``steps``."""
     generator = torch.Generator().manual_seed(seed)
     share, generated, useful, rounds = PassShare(), 0, 0, 0
@@ -46,7 +48,9 @@ def simulate(p: float, policy: str, *, steps: int, wanted: int, bound: int, seed
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--prompts", type=int, default=16, help="P, groups a step trains on")
     parser.add_argument("--bound", type=int, default=4, help="max_num_gen_batches")
@@ -54,7 +58,9 @@ def main() -> None:
     args = parser.parse_args()
     steps = 20 if args.smoke else args.steps
     policies = ("every round P", "shortfall, P first", "shortfall, auto first")
-    print(f"P = {args.prompts}, max_num_gen_batches = {args.bound}, {steps} steps; ratio to 1 / p (rounds per step)")
+    print(
+        f"P = {args.prompts}, max_num_gen_batches = {args.bound}, {steps} steps; ratio to 1 / p (rounds per step)"
+    )
     print("| p | " + " | ".join(policies) + " |")
     print("|---|" + "---|" * len(policies))
     for p in (0.1, 0.3, 0.5, 0.77, 0.95):

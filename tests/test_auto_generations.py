@@ -36,12 +36,27 @@ def groups(n: int, count: int = 320, seed: int = 0) -> tuple[list[int], list[int
     return successes, [n] * count
 
 
-def decide(generate_seconds: dict[int, float], other_seconds: float, rule: str = "max_variance") -> int:
+def decide(
+    generate_seconds: dict[int, float],
+    other_seconds: float,
+    rule: str = "max_variance",
+    overlapped: bool = False,
+) -> int:
     successes, trials = groups(8)
     return choose_num_generations(
         step=10, m=4, low=4, high=64, rule=rule, successes=successes, trials=trials,
-        generate_seconds=generate_seconds, other_seconds=other_seconds,
+        generate_seconds=generate_seconds, other_seconds=other_seconds, overlapped=overlapped,
     ).num_generations  # fmt: skip
+
+
+def test_with_a_rollout_worker_n_grows_until_generating_fills_the_update() -> None:
+    """Generating overlaps the update: rollouts that fit in its time cost nothing. With 0.05 s per rollout per
+    prompt and a 0.6-s update, every n up to 12 costs one update; n past 12 costs more. Run one after the other
+    (the sum), the same costs pick a smaller n."""
+    overlapped = decide({4: 0.2, 16: 0.8}, other_seconds=0.6, overlapped=True)
+    summed = decide({4: 0.2, 16: 0.8}, other_seconds=0.6)
+    assert overlapped >= 12 > summed
+    assert decide({4: 0.2, 16: 0.8}, other_seconds=3.0, overlapped=True) >= 56  # a long update hides many
 
 
 def test_cheap_generation_picks_a_large_n() -> None:

@@ -24,6 +24,7 @@ FIGURES = {  # a line of figures each script prints at --smoke size
     "rollout_engines.py": r"^\| embedded, 2 prompts x 2, 4 tokens \| [\d.]+ s \(\d+ tokens\) \| [\d.]+ s",
     "selection.py": r"^\| 4 \| 16 \| 4 \| [\d.]+ (us|ms) \| [\d.]+ (us|ms) \| \d+x \|",
     "stats.py": r"^\| 5 \| gain_90 \| [\d.]+% \([\d.]+%\) \| [\d.]+% \| [\d.]+% \| [\d.]+% \|$",
+    "threads.py": r"^\| 1 thread \| [\d.]+ \([\d.]+\) \| - \| - \|$",
     "trl_kept_logps.py": r"^  saved: -?[\d.]+ s per generation",
     "update_memory.py": r"^\| 64 \| 8 \| 8 x 4 \| 4\.0 \| [\d.]+ \|",
     "vs_trl.py": r"^ratio pods / TRL = [\d.]+",

@@ -239,7 +239,7 @@ def replay_greso(trainer: RecordingTrainer, config: TrainConfig, mode: str) -> N
             wanted,
             settings=settings,
             history=history,
-            generator=trainer._skip_generator(step, 0),
+            generator=trainer.producer.skip_generator(step, 0),
             mode=mode,
         )
         assert [question_index(q) for q in scored["questions"]] == expected.ids

@@ -11,6 +11,9 @@ the expected learning signal per second of training. The model (docs/auto-genera
   Beta(alpha, beta) distribution fitted (maximum likelihood, beta-binomial) to the groups seen recently,
   so the share of groups with any variance grows with n as ``1 - E[p^n] - E[(1 - p)^n]`` (when no group
   had a success, or none a failure, the rate is taken at its 95% bound instead: :func:`fit_success_rates`);
+* with a rollout worker (``async_generation``) generating overlaps the update: ``seconds(n) = max(g + b n, u)``,
+  g and b fitted to the worker's generation time, u the trainer's own time per step; rollouts that fit in the
+  update's shadow cost nothing, so n grows until generating fills the update's time;
 * choice: ``argmax_n signal(n) / seconds(n)`` over ``num_generations_min .. num_generations_max``,
   re-decided every ``num_generations_every`` steps after two exploratory windows (n = 2m and 4m, within
   bounds), so that both cost parameters can be measured.
@@ -183,14 +186,20 @@ def choose_num_generations(
     trials: Sequence[int],
     generate_seconds: dict[int, float],
     other_seconds: float,
+    overlapped: bool = False,
 ) -> Decision:
-    """The n in ``low .. high`` with the most expected learning signal per second (ties: the smaller n)."""
+    """The n in ``low .. high`` with the most expected learning signal per second (ties: the smaller n); with
+    ``overlapped`` (a rollout worker) a step takes the longer of generating and the rest, not their sum."""
     alpha, beta, rates = fit_success_rates(successes, trials)
-    a, b = fit_step_cost(generate_seconds, other_seconds)
+    a, b = fit_step_cost(generate_seconds, 0.0 if overlapped else other_seconds)
+
+    def step_seconds(n: int) -> float:
+        return max(a + b * n, other_seconds) if overlapped else a + b * n
+
     best_n, best_rate, predicted = low, -1.0, {}
     for n in range(low, high + 1):
         signal = expected_signal(n, m, alpha, beta, rule)
-        seconds = a + b * n
+        seconds = step_seconds(n)
         rate = signal / seconds
         if rate > best_rate * (1 + 1e-9):
             best_n, best_rate = n, rate
@@ -198,13 +207,14 @@ def choose_num_generations(
             predicted[n] = {"signal": signal, "seconds": seconds, "signal_per_second": rate}
     predicted[best_n] = {
         "signal": expected_signal(best_n, m, alpha, beta, rule),
-        "seconds": a + b * best_n,
+        "seconds": step_seconds(best_n),
         "signal_per_second": best_rate,
     }
+    overlap = ", generation overlapping the update" if overlapped else ""
     return Decision(
         step=step,
         num_generations=best_n,
-        reason=f"most expected signal per second ({rates})",
+        reason=f"most expected signal per second ({rates}{overlap})",
         groups=len(successes),
         alpha=alpha,
         beta=beta,
@@ -226,8 +236,9 @@ def _shown(low: int, high: int) -> set[int]:
 class AutoGenerations:
     """What the trainer keeps between steps: the observations, the schedule and the current n."""
 
-    def __init__(self, m: int, low: int, high: int, rule: str, every: int) -> None:
+    def __init__(self, m: int, low: int, high: int, rule: str, every: int, overlapped: bool = False) -> None:
         self.m, self.low, self.high, self.rule, self.every = m, low, high, rule, every
+        self.overlapped = overlapped  # a rollout worker generates while the trainer updates
         self.explore = [min(max(factor * m, low), high) for factor in EXPLORE_FACTORS]
         self.current = self.explore[0]
         self.observations: list[dict[str, Any]] = []
@@ -281,6 +292,7 @@ class AutoGenerations:
             trials=trials,
             generate_seconds=generate,
             other_seconds=other,
+            overlapped=self.overlapped,
         )
         self.current = decision.num_generations
         return decision

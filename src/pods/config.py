@@ -30,6 +30,10 @@ SCHEDULERS = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adamw", "adamw_8bit")
 EVAL_PROTOCOLS = ("greedy", "sampled")
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # auto: vLLM where it is installed and can run, else hf
+VLLM_MODES = (
+    "colocate",
+    "server",
+)  # TRL's names: an engine in the sampling process, or a `vllm serve` process
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 PROMPT_FILTERS = ("none", "nonzero_std")  # pods.prompt_filter (DAPO's dynamic sampling)
 PROMPT_FILTER_EXHAUSTED = ("train_fewer", "pad", "error")  # what a step does when the refill bound is hit
@@ -105,6 +109,17 @@ class TrainConfig:
     vllm_tensor_parallel_size: int = 1  # must be 1: one engine per process and GPU (TRL's colocate default)
     vllm_max_num_batched_tokens: int | None = 4096  # tokens per engine forward; TRL's value (null: vLLM's)
     vllm_cpu_kv_cache_gb: float = 1.0  # CPU only: memory for vLLM's KV cache
+    vllm_mode: str = "colocate"  # colocate (an engine in the process that samples) or server (`vllm serve`)
+    vllm_server_base_url: str | None = None  # server: a running server's URL; None: pods starts one
+    vllm_server_host: str = "127.0.0.1"  # server: where pods starts it
+    vllm_server_port: int | None = None  # server: its port (None: a free one)
+    vllm_server_timeout: float = 240.0  # server: seconds to wait for it to start or answer before an error
+    async_generation: bool = False  # a rollout worker process generates the next steps during the update
+    max_staleness: int = 1  # async: the batch of step t is sampled by the weights of step t - max_staleness
+    weight_sync_steps: int = 1  # async: the worker gets new weights every this many steps (<= max_staleness)
+    rollout_worker_threads: int | None = (
+        None  # async: the worker's cores (default half); the trainer the rest
+    )
 
     # --- rewards and loss ---
     reward_funcs: list[str] | None = None  # names in pods.rewards; None = the task's (arith: accuracy)
@@ -207,6 +222,20 @@ class TrainConfig:
             f"{self.prompts_per_step} x {m} = {rows}; divisors: {_divisors(rows)}",
         )
         self._validate_prompt_stages()
+        _require(
+            self.max_staleness >= 1, "max_staleness", f"must be at least 1 (steps), got {self.max_staleness}"
+        )
+        _require(
+            1 <= self.weight_sync_steps <= self.max_staleness,
+            "weight_sync_steps",
+            f"must be from 1 to max_staleness ({self.max_staleness}): a batch is never sampled by weights more "
+            f"than max_staleness steps old, got {self.weight_sync_steps}",
+        )
+        _require(
+            self.rollout_worker_threads is None or self.rollout_worker_threads >= 1,
+            "rollout_worker_threads",
+            "must be at least 1, or null (half the cores)",
+        )
         _require(self.max_completion_length >= 1, "max_completion_length", "must be at least 1")
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -241,6 +270,13 @@ class TrainConfig:
             "must be at least 1, or null for vLLM's default",
         )
         _require(self.vllm_cpu_kv_cache_gb > 0, "vllm_cpu_kv_cache_gb", "must be positive (GiB)")
+        require_choice(self.vllm_mode, VLLM_MODES, "vllm_mode")
+        _require(self.vllm_server_timeout > 0, "vllm_server_timeout", "must be positive (seconds)")
+        _require(
+            self.vllm_mode == "server" or self.vllm_server_base_url is None,
+            "vllm_server_base_url",
+            "is the URL of a vLLM server: set vllm_mode: server (and rollout_engine: vllm)",
+        )
         _require(
             self.vllm_importance_sampling_cap >= 1,
             "vllm_importance_sampling_cap",

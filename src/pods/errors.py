@@ -27,9 +27,20 @@ class NonFiniteError(RuntimeError):
     """``max_consecutive_skips`` optimizer steps in a row had a non-finite loss or gradient norm."""
 
 
+class RolloutWorkerError(RuntimeError):
+    """``async_generation``: the rollout worker died or failed; names how, with the worker's traceback."""
+
+
 class PromptFilterExhausted(RuntimeError):
     """``prompt_filter_exhausted: error``: a step's last generation round left it short of groups that pass."""
 
 
 # The errors `pods` reports as one line: bad input, or a run that cannot go on.
-USER_ERRORS = (ConfigError, RewardFunctionError, NonFiniteError, CheckpointWriteError, PromptFilterExhausted)
+USER_ERRORS = (
+    ConfigError,
+    RewardFunctionError,
+    NonFiniteError,
+    CheckpointWriteError,
+    PromptFilterExhausted,
+    RolloutWorkerError,
+)

@@ -27,6 +27,13 @@ TIMING_KEYS = (
     "peak_memory_mb",
     "eval_seconds",
     "wall_time",
+    "timeline",
+    "seconds_wait_for_rollouts",
+    "pods/async/worker_idle_seconds",
+    "pods/async/worker_timeline",
+    "pods/async/worker_seconds_select",
+    "pods/async/worker_seconds_generate",
+    "pods/async/worker_seconds_score",
 )
 
 
@@ -100,16 +107,20 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
 
 
 class StepTimer:
-    """Seconds spent in each phase of a step: ``with timer("generate"): ...``."""
+    """Seconds spent in each phase of a step: ``with timer("generate"): ...``; and when each ran (``spans``:
+    phase, wall-clock start and end), for a timeline of the run."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         yield
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed
+        self.spans.append((phase, round(wall, 4), round(wall + elapsed, 4)))
 
     @property
     def total(self) -> float:

@@ -179,6 +179,52 @@ def plot_sweep_values(summary: dict, swept_keys: list[str], output: str | Path) 
     return _save(figure, output)
 
 
+TIMELINE_COLOURS = {
+    "generate": "tab:orange",
+    "score": "tab:red",
+    "select": "tab:purple",
+    "update": "tab:blue",
+    "sync": "tab:green",
+    "wait_for_rollouts": "lightgrey",
+}
+
+
+def plot_timeline(
+    run_dirs: Sequence[str | Path], output: str | Path, steps: tuple[int, int] = (5, 15)
+) -> Path:
+    """When each phase of steps ``steps[0]`` .. ``steps[1]`` ran, one row per process (the trainer; with
+    ``async_generation`` also the rollout worker), one panel per run, on one time scale: where generation and
+    the update overlap and where a side waits. From the ``timeline`` metrics.jsonl logs."""
+    import matplotlib.pyplot as plt
+
+    runs = [(Path(path), read_jsonl(Path(path) / "metrics.jsonl")) for path in run_dirs]
+    figure, axes = plt.subplots(len(runs), 1, figsize=(10, 1.6 + 1.1 * len(runs)), squeeze=False, sharex=True)
+    seen: set[str] = set()
+    for axis, (path, rows) in zip(axes[:, 0], runs, strict=True):
+        chosen = [row for row in rows if steps[0] <= row["step"] <= steps[1]]
+        if not chosen or "timeline" not in chosen[0]:
+            raise ConfigError(f"{path}/metrics.jsonl has no timeline for steps {steps[0]}-{steps[1]}")
+        lanes = {"trainer": [span for row in chosen for span in row["timeline"]]}
+        if "pods/async/worker_timeline" in chosen[0]:
+            lanes = {
+                "rollout worker": [s for row in chosen for s in row["pods/async/worker_timeline"]],
+                **lanes,
+            }
+        origin = min(span[1] for spans in lanes.values() for span in spans)
+        for lane, spans in enumerate(lanes.values()):
+            for phase, start, end in spans:
+                label = phase if phase not in seen else None
+                seen.add(phase)
+                axis.barh(lane, end - start, left=start - origin, color=TIMELINE_COLOURS.get(phase, "black"),
+                          edgecolor="white", linewidth=0.3, label=label)  # fmt: skip
+        axis.set_yticks(range(len(lanes)), list(lanes))
+        per_step = sum(row["seconds_step"] for row in chosen) / len(chosen)
+        axis.set_title(f"{path.name}: steps {steps[0]}-{steps[1]}, {per_step:.2f} s per step", fontsize=9)
+    axes[-1, 0].set_xlabel("seconds (wall clock)")
+    axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    return _save(figure, output)
+
+
 def _save(figure, output: str | Path) -> Path:
     import matplotlib.pyplot as plt
 

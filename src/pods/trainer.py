@@ -20,6 +20,7 @@ spans processes, and gradients are synchronised as usual.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -29,7 +30,6 @@ import torch
 
 from pods.advantages import (
     Downsampled,
-    aggregate_rewards,
     difficulty_counts,
     downsample,
     nanstd,
@@ -46,7 +46,6 @@ from pods.checkpoint import (
     save_checkpoint,
 )
 from pods.config import TrainConfig
-from pods.data.stream import PromptStream
 from pods.distributed import (
     deepspeed_batch_settings,
     deepspeed_guards_non_finite_steps,
@@ -58,33 +57,35 @@ from pods.distributed import (
     synced_mean,
     synced_sum,
 )
-from pods.errors import ConfigError, NonFiniteError, PromptFilterExhausted
+from pods.errors import ConfigError, NonFiniteError, PromptFilterExhausted, RolloutWorkerError
 from pods.evaluation import EvalResult, evaluate, next_evaluation_seconds
 from pods.interrupts import StopRequests, TrainingStopped
 from pods.metrics import JsonlLog, StepTimer, peak_memory_mb, read_jsonl, reward_metrics
 from pods.models import Policy, load_policy, load_reference, local_model_folder
 from pods.optimization import build_optimizer, build_scheduler
+from pods.producer import ProducedBatch, Producer, ProducerState, reward_components, score_batch, seed_step
 from pods.progress import TrainingProgress
 from pods.prompt_filter import (
     Groups,
-    PassShare,
     SampledGroups,
     exhausted_message,
     fill_groups,
-    next_round_size,
-)
-from pods.prompt_skip import (
-    GresoSettings,
-    PromptHistory,
-    adapt_exploration,
-    group_outcomes,
-    record_outcomes,
-    round_prompts,
 )
 from pods.registries import check_names
-from pods.rollout import Rollouts, SamplingParams, build_engine, choose_engine
+from pods.rollout import Rollouts, build_engine, choose_engine
+from pods.rollout_worker import (
+    AsyncRollouts,
+    WorkerSpec,
+    async_metrics,
+    check_picklable,
+    fresh_in_flight,
+    load_in_flight,
+    save_in_flight,
+    split_cores,
+    vllm_options,
+)
 from pods.run_folder import require_shared_folder
-from pods.scoring import RewardFunction, reward_name, score_completions
+from pods.scoring import RewardFunction, reward_name
 from pods.update import NonFiniteGuard, policy_update
 
 __all__ = ["NonFiniteError", "PODSTrainer", "TrainResult", "TrainingStopped", "train"]
@@ -158,6 +159,11 @@ class PODSTrainer:
         )
         acc = self.accelerator
         require_every_launched_process(acc)
+        if cfg.async_generation and acc.num_processes > 1:
+            raise ConfigError(
+                "async_generation runs one trainer process with one rollout worker; with several processes "
+                "(accelerate launch) set async_generation: false"
+            )
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.output_dir / "config.yaml")
@@ -171,7 +177,12 @@ class PODSTrainer:
         if cfg.num_generations == "auto":
             low, high = cfg.generation_bounds
             self.auto = AutoGenerations(
-                cfg.num_generations_kept, low, high, cfg.selection_rule, cfg.num_generations_every
+                cfg.num_generations_kept,
+                low,
+                high,
+                cfg.selection_rule,
+                cfg.num_generations_every,
+                overlapped=cfg.async_generation,
             )
         self.auto_log = JsonlLog(
             self.output_dir / "num_generations.jsonl", enabled=acc.is_main_process and self.auto is not None
@@ -215,37 +226,20 @@ class PODSTrainer:
             )
         if acc.is_main_process:
             cfg.save(self.output_dir / "config.yaml")
-        self.engine = build_engine(
-            cfg.rollout_engine,
+        self.engine = build_engine(  # async: the worker builds the rollout engine; this one evaluates
+            "hf" if cfg.async_generation else cfg.rollout_engine,
             acc.unwrap_model(self.model),
             self.tokenizer,
             generation_batch_size=cfg.generation_batch_size,
             max_prompt_length=cfg.max_prompt_length,
-            vllm_options={
-                "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization,
-                "max_model_length": cfg.vllm_max_model_length
-                or (cfg.max_prompt_length and cfg.max_prompt_length + cfg.max_completion_length),
-                "enable_sleep_mode": cfg.vllm_enable_sleep_mode,
-                "max_num_batched_tokens": cfg.vllm_max_num_batched_tokens,
-                "kv_cache_gb": cfg.vllm_cpu_kv_cache_gb,
-                "seed": cfg.seed + acc.process_index,
-            },
+            vllm_options={**vllm_options(cfg), "seed": cfg.seed + acc.process_index},
         )
-        self.sampling = SamplingParams(
-            max_new_tokens=cfg.max_completion_length,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            stop_strings=tuple(cfg.stop_strings),
+        self.rollouts: AsyncRollouts | None = None  # async_generation: the rollout worker, while train() runs
+        # stages 0-2 (prompts, generation, rewards), in this process or in a rollout worker
+        self.producer = Producer(
+            cfg, self.engine, self.tokenizer, self.train_rows, score=self._score, accelerator=acc
         )
-        self.prompts = PromptStream(self.train_rows, cfg.seed, acc.process_index, acc.num_processes)
-        self.greso = None
-        if cfg.prompt_skip == "greso":
-            self.greso = GresoSettings(
-                cfg.prompt_skip_target,
-                solved_mean=cfg.prompt_skip_solved_mean,
-                failed_mean=cfg.prompt_skip_failed_mean,
-            )
+        self.prompts = self.producer.prompts
         names = [reward_name(fn) for fn in reward_funcs]
         if cfg.prompt_filter_reward != "total" and cfg.prompt_filter_reward not in names:
             raise ConfigError(
@@ -258,63 +252,32 @@ class PODSTrainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:
         cfg, acc = self.config, self.accelerator
-        m = cfg.num_generations_kept
-        state = self._resume_or_start()
+        state, in_flight = self._resume_or_start()
         self.engine.sync_weights(acc.unwrap_model(self.model))  # the resumed weights, for vLLM
         if self.auto and state.step == 0:
             self.auto_log.append({"kind": "decision", **self.auto.first_decision().to_dict()})
         stop = StopRequests(reduce_max=(lambda v: int(synced_max(acc, v))) if acc.num_processes > 1 else None)
         progress = TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time)
-        with stop, progress, self._trackers():
+        with stop, progress, self._trackers(), self._rollout_worker(state, in_flight):
             progress.message(f"rollout engine: {cfg.rollout_engine} ({self.engine_reason})")
             if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
                 self._evaluate(state, progress)
-            while not self._finished(state) and not stop.agreed():
-                timer = StepTimer()
-                self._seed_step(state.step)
-                n = self.auto.current if self.auto else cfg.num_generations
-                # 0-2. skip, generate n per prompt, score: one round, or the prompt filter's rounds
-                sampled = self._generate_groups(state, n, timer, stop, progress)
-                if sampled is None:  # a stop request during an unbounded filter's rounds: redone on resume
-                    break
-                with timer("select"):  # 3. m of n per group, and 4. advantages over the kept
-                    groups, chosen = self._select(state, sampled, m)
-                    kept_rollouts = groups.rollouts.select(chosen.rows)
-                    trained = chosen.trained & groups.trained.unsqueeze(1)
-                with timer("update"):  # 5. the GRPO update on the kept rows only
-                    update = self._update(
-                        state, kept_rollouts, chosen.advantages.flatten(), trained.flatten()
-                    )
-                with timer("sync"):  # the engine samples the next step from the new weights (no-op for hf)
-                    self.engine.sync_weights(acc.unwrap_model(self.model))
+            with self._checkpoint_if_the_worker_fails(state):
+                while not self._finished(state) and not stop.agreed():
+                    timer = StepTimer()
+                    batch = self._produce(state, timer, stop, progress)  # 0-2, here or in the rollout worker
+                    if batch is None:  # a stop request during an unbounded filter's rounds: redone on resume
+                        break
+                    metrics = self._consume(state, batch, timer)  # 3-5, then the new weights to the sampler
+                    self.metrics_log.append(metrics)
+                    if cfg.report_to:
+                        acc.log(metrics, step=state.step)
+                    progress.update(state.step, state.train_seconds, metrics)
 
-                skip_metrics = self._remember_prompts(state, sampled)  # GRESO's history, from every process
-                state.prompts_drawn, state.pass_share = sampled.cursor, sampled.pass_share.to_state()
-                state.step += 1
-                state.train_seconds += synced_max(acc, timer.total)  # the slowest process sets the clock
-                everything = sampled.all  # metrics describe every group generated, over the refill rounds
-                metrics = self._step_metrics(
-                    state,
-                    timer,
-                    everything.rollouts,
-                    everything.rewards,
-                    chosen.rewards.masked_fill(~trained, float("nan")),
-                    everything.per_function,
-                    update,
-                    trained_groups=groups.trained,
-                )
-                metrics.update(self._stage_metrics(sampled, groups, chosen, trained), **skip_metrics)
-                self.metrics_log.append(metrics)
-                if self.auto:
-                    self._auto_step(state, everything.rewards, everything.per_function, timer)
-                if cfg.report_to:
-                    acc.log(metrics, step=state.step)
-                progress.update(state.step, state.train_seconds, metrics)
-
-                if self._eval_due(state):
-                    self._evaluate(state, progress)
-                if self._save_due(state):
-                    self._save(state)
+                    if self._eval_due(state):
+                        self._evaluate(state, progress)
+                    if self._save_due(state):
+                        self._save(state)
 
             stopped = stop.agreed()  # once more on every process: a signal during the last step counts
             if (
@@ -329,6 +292,130 @@ class PODSTrainer:
         evals = read_jsonl(self.eval_log.path) if self.eval_log.path.is_file() else []
         return TrainResult(self.output_dir, state.step, state.train_seconds, evals, checkpoint)
 
+    def _produce(
+        self, state: TrainerState, timer: StepTimer, stop: StopRequests, progress: TrainingProgress
+    ) -> ProducedBatch | None:
+        """Stages 0-2 of this step: skip prompts, generate n per prompt, score (with a prompt filter, in rounds);
+        taken from the rollout worker with ``async_generation``, else run here."""
+        if self.rollouts is not None:
+            # The weights of the last update go to the worker here, not at the end of that step: it samples
+            # with them while this step updates, never during an evaluation or a checkpoint (off the clock).
+            n = self.auto.current if self.auto else self.config.num_generations
+            with timer("sync"):
+                self.rollouts.publish(self.accelerator.unwrap_model(self.model), state.step, n)
+            unbounded = self.config.prompt_filter != "none" and self.config.max_num_gen_batches == 0
+            with timer("wait_for_rollouts"):  # a step is only abandoned where its rounds may never end
+                return self.rollouts.take(state.step, should_stop=stop.agreed if unbounded else None)
+        self._seed_step(state.step)
+        n = self.auto.current if self.auto else self.config.num_generations
+        producing = ProducerState.of(state, self.config.prompts_per_step)
+        sampled = self.producer.sample(
+            producing, state.step, n, timer, should_stop=stop.agreed, progress=progress.message
+        )
+        if sampled is None:
+            return None
+        after, skip_metrics = self.producer.advance(producing, sampled)  # the cursor, the pass share, GRESO
+        return ProducedBatch(state.step, state.step, n, sampled, after, skip_metrics)
+
+    def _consume(self, state: TrainerState, batch: ProducedBatch, timer: StepTimer) -> dict[str, Any]:
+        """Stages 3-5 on this step's batch: m of n per group, their advantages, the update; then a colocated
+        vLLM engine gets the new weights (a rollout worker gets them when the next step starts). Returns the
+        step's metrics."""
+        sampled = batch.sampled
+        with timer("select"):  # 3. m of n per group, and 4. advantages over the kept
+            groups, chosen = self._select(state, sampled, self.config.num_generations_kept)
+            kept_rollouts = groups.rollouts.select(chosen.rows)
+            trained = chosen.trained & groups.trained.unsqueeze(1)
+        with timer("update"):  # 5. the GRPO update on the kept rows only
+            update = self._update(state, kept_rollouts, chosen.advantages.flatten(), trained.flatten())
+        batch.state_after.into(state)
+        state.step += 1
+        if self.rollouts is None:
+            with timer("sync"):  # the colocated vLLM engine samples the next step from the new weights
+                self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
+        state.train_seconds += synced_max(self.accelerator, timer.total)  # the slowest process sets the clock
+        everything = sampled.all  # metrics describe every group generated, over the refill rounds
+        metrics = self._step_metrics(
+            state,
+            timer,
+            everything.rollouts,
+            everything.rewards,
+            chosen.rewards.masked_fill(~trained, float("nan")),
+            everything.per_function,
+            update,
+            trained_groups=groups.trained,
+        )
+        metrics.update(self._stage_metrics(sampled, groups, chosen, trained), **batch.skip_metrics)
+        if self.rollouts is not None:
+            metrics.update(async_metrics(batch))
+        if self.auto:
+            seconds = dict(timer.seconds)
+            if self.rollouts is not None:  # generating is the worker's time; the trainer's waiting is neither
+                seconds.pop("wait_for_rollouts", None)
+                seconds = {"generate": sum(batch.seconds.values()), "update": sum(seconds.values())}
+            self._auto_step(state, everything.rewards, everything.per_function, seconds)
+        return metrics
+
+    @contextlib.contextmanager
+    def _checkpoint_if_the_worker_fails(self, state: TrainerState):
+        """A rollout worker that died or failed ends the run with its error and a checkpoint of the last completed
+        step (the batches in flight are sampled again on resume)."""
+        try:
+            yield
+        except RolloutWorkerError as error:
+            self.rollouts.abandoned = True
+            checkpoint = self._save(state)
+            raise RolloutWorkerError(
+                f"{error}. The last completed step ({state.step}) is saved in {checkpoint}: resume with "
+                "resume_from: auto (its batches in flight are sampled again)"
+            ) from None
+
+    @contextlib.contextmanager
+    def _rollout_worker(self, state: TrainerState, in_flight: list[ProducedBatch]):
+        """With ``async_generation``: the rollout worker, on its own cores, for the loop's duration (stopped however
+        the loop ends; the trainer's cores and threads are given back)."""
+        cfg = self.config
+        if not cfg.async_generation:
+            yield
+            return
+        check_picklable(self.reward_funcs)
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        trainer_cores, worker_cores = split_cores(cores, cfg.rollout_worker_threads)
+        threads = torch.get_num_threads()
+        spec = WorkerSpec(
+            config=cfg.to_dict(),
+            reward_funcs=self.reward_funcs,
+            rows=self.train_rows,
+            cores=worker_cores,
+            threads=cfg.rollout_worker_threads or max(1, len(worker_cores)),
+            start_step=state.step + len(in_flight),
+            start_state=in_flight[-1].state_after
+            if in_flight
+            else ProducerState.of(state, cfg.prompts_per_step),
+            first_version=state.step,
+        )
+        try:
+            if trainer_cores:
+                os.sched_setaffinity(0, trainer_cores)
+            torch.set_num_threads(cfg.torch_threads or max(1, len(trainer_cores)))
+            self.rollouts = AsyncRollouts(
+                spec,
+                self.accelerator.unwrap_model(self.model),
+                max_staleness=cfg.max_staleness,
+                sync_every=cfg.weight_sync_steps,
+                num_generations=self.auto.current if self.auto else cfg.num_generations,
+                pending=in_flight,
+            )
+            self.rollouts.wait_until_ready()
+            yield
+        finally:
+            if self.rollouts is not None:
+                self.rollouts.close()
+                self.rollouts = None
+            if cores:
+                os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
+
     @contextlib.contextmanager
     def _trackers(self):
         """Flush and close the trackers (TensorBoard, W&B, ...) however the loop ends: done, stopped or failed."""
@@ -339,97 +426,6 @@ class PODSTrainer:
                 self.accelerator.end_training()
 
     # ------------------------------------------------------------------ step pieces
-    def _generate_groups(
-        self, state: TrainerState, n: int, timer: StepTimer, stop: StopRequests, progress: TrainingProgress
-    ) -> SampledGroups | None:
-        """Stages 0-2, the producer of a step: rounds of prompts drawn from the stream (GRESO skipping some),
-        n completions each, scored. One round without a prompt filter; with one, rounds sized to what is
-        missing until every process has P groups that pass or ``max_num_gen_batches`` rounds ran. Every process
-        runs the same rounds of the same size (engines and reward gathering may need all of them). Nothing in
-        ``state`` changes here: the loop commits the stream's cursor and the pass share once the step is done.
-        None when a stop request ends an unbounded filter's rounds."""
-        cfg, acc = self.config, self.accelerator
-        wanted = cfg.prompts_per_step
-        sampled = SampledGroups(cfg.prompt_filter, pad_id=self.tokenizer.pad_token_id or 0)
-        sampled.cursor = state.prompts_drawn if state.prompts_drawn is not None else state.step * wanted
-        start = PassShare.from_state(state.pass_share)
-        history = PromptHistory.from_state(state.prompt_history, self.greso) if self.greso else None
-        most = (lambda value: int(synced_max(acc, value))) if acc.num_processes > 1 else (lambda value: value)
-
-        def draw(count: int) -> list[int]:
-            ids = self.prompts.draw(sampled.cursor, count)
-            sampled.cursor += count
-            return ids
-
-        while True:
-            passed, drawn = synced_sum(acc, torch.tensor([sampled.num_passed, sampled.drawn])).tolist()
-            sampled.pass_share = start.plus(int(passed), int(drawn))
-            size = next_round_size(
-                rounds_run=len(sampled.rounds),
-                wanted=wanted,
-                missing=most(wanted - sampled.num_passed),
-                share=sampled.pass_share.share,
-                prompt_filter=cfg.prompt_filter,
-                max_num_gen_batches=cfg.max_num_gen_batches,
-                generation_batch_prompts=cfg.generation_batch_prompts,
-                multiple=self.engine.round_multiple(n),
-            )
-            if size == 0:
-                return sampled
-            if cfg.max_num_gen_batches == 0 and sampled.rounds:
-                if stop.agreed():  # no bound: a stop request must be able to end the rounds
-                    return None
-                if len(sampled.rounds) % 8 == 0:
-                    progress.message(
-                        f"step {state.step + 1}: {len(sampled.rounds)} generation rounds so far, "
-                        f"{sampled.num_passed} of {wanted} groups with a spread (max_num_gen_batches: 0, no bound)"
-                    )
-            with timer("select"):  # 0. the round's prompts, skipping those predicted to give no signal
-                prompts = round_prompts(
-                    draw,
-                    size,
-                    settings=self.greso,
-                    history=history,
-                    generator=self._skip_generator(state.step, len(sampled.rounds)),
-                    mode=cfg.prompt_skip_mode,
-                    most=most,
-                )
-            batch = [self.train_rows[index] for index in prompts.ids]
-            with timer("generate"):  # 1. n completions per prompt
-                rollouts = self.engine.generate(self._render(batch), n, self.sampling)
-            with timer("score"):  # 2. one reward per completion: [prompts, n]
-                rewards, per_function = self._score(batch, rollouts)
-                ranked, signal = self._ranked_and_signal(rewards, per_function)
-            sampled.add(
-                prompts.ids,
-                rollouts,
-                rewards,
-                per_function,
-                ranked=ranked,
-                signal=signal,
-                skipped=prompts.skipped,
-                drawn=size,
-            )
-
-    def _ranked_and_signal(
-        self, rewards: torch.Tensor, per_function: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """What the rules rank and the advantages use (None: the weighted sum; with ``normalize_then_sum`` the sum
-        of each function's group-normalised rewards), and what the prompt stages read (None: the same; else the
-        ``prompt_filter_reward`` function's rewards)."""
-        cfg = self.config
-        ranked = None
-        if cfg.multi_objective_aggregation == "normalize_then_sum":
-            components, weights = self._reward_components(per_function)
-            ranked = aggregate_rewards(components, weights, "normalize_then_sum", cfg.advantage_eps)
-        signal = None if cfg.prompt_filter_reward == "total" else per_function[cfg.prompt_filter_reward]
-        return ranked, signal
-
-    def _reward_components(self, per_function: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[G, n, F]`` each reward function's rewards, and their ``[F]`` weights."""
-        weights = self.config.reward_weights or [1.0] * len(per_function)
-        return torch.stack(list(per_function.values()), dim=2), torch.tensor(weights, dtype=torch.float64)
-
     def _select(self, state: TrainerState, sampled: SampledGroups, m: int) -> tuple[Groups, Downsampled]:
         """3-4. The groups the step trains on (those that passed the filter first; past the bound as
         ``prompt_filter_exhausted`` says), m (or a difficulty's k) of each, and their advantages."""
@@ -452,7 +448,7 @@ class PODSTrainer:
             counts = difficulty_counts(means.cpu(), cfg.num_generations_kept_by_difficulty)[mine]
         components = weights = None
         if cfg.multi_objective_aggregation == "normalize_then_sum":
-            components, weights = self._reward_components(groups.per_function)
+            components, weights = reward_components(cfg, groups.per_function)
         chosen = downsample(
             groups.ranked,
             m,
@@ -468,34 +464,6 @@ class PODSTrainer:
             weights=weights,
         )
         return groups, chosen
-
-    def _remember_prompts(self, state: TrainerState, sampled: SampledGroups) -> dict[str, float]:
-        """``prompt_skip: greso``: add every process's groups of this step to the per-prompt history, adapt the
-        exploration rates (past the first epoch, as GRESO), and return the skip metrics."""
-        if self.greso is None:
-            return {}
-        acc = self.accelerator
-        outcomes = gather(acc, group_outcomes(sampled.filter_rewards, self.greso)).tolist()
-        ids = gather(acc, torch.tensor(sampled.ids, dtype=torch.long)).tolist()
-        history = record_outcomes(PromptHistory.from_state(state.prompt_history, self.greso), ids, outcomes)
-        drawn_before = (
-            state.prompts_drawn
-            if state.prompts_drawn is not None
-            else state.step * self.config.prompts_per_step
-        )
-        if self.prompts.epoch(drawn_before) >= 1:  # as GRESO: past the first epoch
-            history = adapt_exploration(history, outcomes, self.greso)
-        state.prompt_history = history.to_state()
-        skipped = int(synced_sum(acc, torch.tensor(sampled.skipped)))
-        shrinks = (
-            self.config.prompt_skip_mode == "shrink"
-        )  # replace mode generates another prompt for each skip
-        return {
-            "pods/skip/prompts_skipped": skipped,
-            "pods/skip/rollouts_saved": skipped * sampled.rounds[0].rewards.shape[1] if shrinks else 0,
-            "pods/skip/exploration_solved": state.prompt_history["exploration_solved"],
-            "pods/skip/exploration_failed": state.prompt_history["exploration_failed"],
-        }
 
     def _stage_metrics(
         self, sampled: SampledGroups, groups: Groups, chosen: Downsampled, trained: torch.Tensor
@@ -531,32 +499,11 @@ class PODSTrainer:
             "pods/selection/signal_restored": int(restored),
         }
 
-    def _render(self, batch: list[dict[str, Any]]) -> list[str]:
-        from pods.prompts import render_prompt
-
-        return [render_prompt(row["prompt"], self.tokenizer) for row in batch]
-
     def _score(
         self, batch: list[dict[str, Any]], rollouts: Rollouts
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        n = rollouts.num_generations
-        columns = {key: [row[key] for row in batch for _ in range(n)] for key in batch[0] if key != "prompt"}
-        prompts = [row["prompt"] for row in batch for _ in range(n)]
-        completion_ids = [
-            ids[mask.bool()].tolist()
-            for ids, mask in zip(rollouts.completion_ids, rollouts.completion_mask, strict=True)
-        ]
-        total, per_function = score_completions(
-            self.reward_funcs,
-            self.config.reward_weights,
-            prompts,
-            rollouts.texts,
-            completion_ids,
-            columns,
-            timeout=self.config.reward_timeout,
-        )
-        shape = (len(batch), n)
-        return total.view(shape), {name: values.view(shape) for name, values in per_function.items()}
+        """2. The rewards of a round (:func:`pods.producer.score_batch`; a hook for subclasses)."""
+        return score_batch(self.reward_funcs, self.config, batch, rollouts)
 
     def _update(
         self, state: TrainerState, batch: Rollouts, advantages: torch.Tensor, trained: torch.Tensor
@@ -629,6 +576,7 @@ class PODSTrainer:
         for phase, seconds in timer.seconds.items():
             metrics[f"seconds_{phase}"] = round(synced_max(acc, seconds), 4)
         metrics["seconds_step"] = round(step_seconds, 4)
+        metrics["timeline"] = [list(span) for span in timer.spans]  # when each phase ran (wall clock)
         metrics["tokens_per_second"] = round(lengths.sum().item() / max(step_seconds, 1e-9), 1)
         metrics["peak_memory_mb"] = round(peak_memory_mb(), 1)
         return metrics
@@ -638,14 +586,14 @@ class PODSTrainer:
         state: TrainerState,
         rewards: torch.Tensor,
         per_function: dict[str, torch.Tensor],
-        timer: StepTimer,
+        phases: dict[str, float],
     ) -> None:
         """``num_generations: auto``: record this step's successes per group (the accuracy reward above
         0.5, else the summed reward above 0.5) and timings, over every process; re-decide n when due."""
         scores = torch.nan_to_num(per_function.get(reward_name(self.accuracy_fn), rewards))
         acc = self.accelerator
         successes = gather(acc, (scores > 0.5).sum(dim=1)).cpu().tolist()
-        seconds = {phase: synced_max(acc, value) for phase, value in sorted(timer.seconds.items())}
+        seconds = {phase: synced_max(acc, value) for phase, value in sorted(phases.items())}
         self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, seconds))
         decision = self.auto.decide(state.step)
         if decision is not None:
@@ -698,23 +646,32 @@ class PODSTrainer:
             return self._saved[1]  # already saved (or resumed from) at this step
         state.last_save_seconds = state.train_seconds
         weights = exported_state_dict(self.accelerator, self.model)  # every process: gathers if sharded
+        in_flight = self.rollouts.in_flight(state.step) if self.rollouts is not None else []
         folder = save_checkpoint(
             self.accelerator,
             self.checkpoint_root,
             state,
             self.config.save_total_limit,
-            export=lambda folder: self._export(folder, weights),
+            export=lambda folder: self._export(folder, weights, in_flight),
             scheduler=self.scheduler,
             base_model=self.base_model,
         )
         self._saved = (state.step, folder)
         return folder
 
-    def _export(self, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+    def _export(
+        self,
+        folder: Path,
+        weights: dict[str, torch.Tensor] | None = None,
+        in_flight: list[ProducedBatch] | None = None,
+    ) -> None:
         """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``; ``weights``
-        are the gathered ones under ZeRO-3 or FSDP2 (peft keeps the adapter's out of a full state dict itself)."""
+        are the gathered ones under ZeRO-3 or FSDP2 (peft keeps the adapter's out of a full state dict itself).
+        With a rollout worker, the checkpoint also holds the batches in flight its weights cannot sample again."""
         self.accelerator.unwrap_model(self.model).save_pretrained(folder, state_dict=weights)
         self.tokenizer.save_pretrained(folder)
+        if in_flight:
+            save_in_flight(folder.parent, in_flight)
 
     def _save_due(self, state: TrainerState) -> bool:
         cfg = self.config
@@ -726,14 +683,15 @@ class PODSTrainer:
         )
         return by_steps or by_time
 
-    def _resume_or_start(self) -> TrainerState:
-        """The state to start from: a fresh one (logs emptied) or a checkpoint's (logs cut back to its step)."""
+    def _resume_or_start(self) -> tuple[TrainerState, list[ProducedBatch]]:
+        """The state to start from: a fresh one (logs emptied) or a checkpoint's (logs cut back to its step); and
+        with ``async_generation`` the checkpoint's batches in flight that are still fresh enough to train on."""
         folder = checkpoint_to_resume(self.accelerator, self.config.resume_from, self.checkpoint_root)
         if folder is None:  # a fresh start (also resume_from: auto without a checkpoint): no earlier rows
             self.metrics_log.reset()
             self.eval_log.reset()
             self.auto_log.reset()
-            return TrainerState()
+            return TrainerState(), []
         state = resume_checkpoint(self.accelerator, folder, self.scheduler)
         self._saved = (state.step, folder)
         self.metrics_log.truncate_after(state.step)
@@ -743,7 +701,8 @@ class PODSTrainer:
             if self.auto_log.path.is_file():
                 self.auto.restore([r for r in read_jsonl(self.auto_log.path) if r["step"] <= state.step])
         self.eval_log.truncate_after(state.step)
-        return state
+        in_flight = load_in_flight(folder) if self.config.async_generation else []
+        return state, fresh_in_flight(in_flight, state.step, self.config.max_staleness)
 
     # ------------------------------------------------------------------ set-up helpers
     def _finished(self, state: TrainerState) -> bool:
@@ -754,14 +713,7 @@ class PODSTrainer:
 
     def _seed_step(self, step: int) -> None:
         """Reseed per step (and process): sampling after a resume matches an uninterrupted run exactly."""
-        torch.manual_seed((self.config.seed * 1_000_003 + step) * 64 + self.accelerator.process_index)
-
-    def _skip_generator(self, step: int, round_index: int) -> torch.Generator:
-        """GRESO's draws for one round of one step on this process (no state to checkpoint)."""
-        process = self.accelerator.process_index
-        return torch.Generator().manual_seed(
-            ((self.config.seed * 1_000_003 + step) * 64 + process) * 1_009 + round_index
-        )
+        seed_step(self.config.seed, step, self.accelerator.process_index)
 
     def _selection_generator(self, step: int) -> torch.Generator:
         return torch.Generator().manual_seed(

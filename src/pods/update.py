@@ -21,7 +21,7 @@ import torch
 
 from pods.checkpoint import TrainerState
 from pods.config import TrainConfig
-from pods.distributed import step_was_applied, synced_any, synced_sum
+from pods.distributed import step_was_applied, synced_any, synced_max, synced_sum
 from pods.errors import NonFiniteError
 from pods.loss import completion_logprobs, mean_abs_difference, policy_loss, truncated_importance_weights
 from pods.rollout import Rollouts
@@ -175,9 +175,10 @@ def policy_update(
                         cfg.vllm_importance_sampling_cap,
                     )
                     comparable = old_logprobs if sampled_view is None else sampled_view
-                    mismatch.append(
-                        mean_abs_difference(comparable[part], sampling_logprobs[part], mask[part])
-                    )
+                    if bool(mask[part].any()):  # a micro-batch of padding rows has no tokens to compare
+                        mismatch.append(
+                            mean_abs_difference(comparable[part], sampling_logprobs[part], mask[part])
+                        )
                 out = policy_loss(
                     logprobs,
                     advantages[part],
@@ -229,6 +230,13 @@ def policy_update(
         totals = synced_sum(acc, totals.to(device)).cpu()
         means["sampling/sampling_logp_difference/mean"] = float(totals[0] / totals[1])
         means["sampling/importance_sampling_ratio/mean"] = float(totals[2] / totals[3])
+        weights = [
+            w[mask[part].bool()] for part in parts if (w := sampler_weights.get(part.start)) is not None
+        ]
+        weights = torch.cat([w.flatten().float().cpu() for w in weights]) if weights else torch.ones(1)
+        low, high = -synced_max(acc, -float(weights.min())), synced_max(acc, float(weights.max()))
+        means["sampling/importance_sampling_ratio/min"] = low
+        means["sampling/importance_sampling_ratio/max"] = high
     return {"loss": loss, **means, "grad_norm": sum(grad_norms) / len(grad_norms)}
 
 

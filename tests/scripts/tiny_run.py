@@ -56,7 +56,14 @@ def half_constant(prompts, completions, completion_ids=None, **columns) -> list[
     ]
 
 
-REWARDS = {"count_of_a": count_of_a, "half_constant": half_constant}
+def slow_count_of_a(prompts, completions, completion_ids=None, **columns) -> list[float]:
+    """:func:`count_of_a`, 0.3 s a call: a step long enough to signal or kill a process mid-run (and picklable:
+    the asynchronous tests send it to the rollout worker)."""
+    time.sleep(0.3)
+    return count_of_a(prompts, completions)
+
+
+REWARDS = {"count_of_a": count_of_a, "half_constant": half_constant, "slow_count_of_a": slow_count_of_a}
 
 
 def low_token_ids(prompts, completions, completion_ids=None, **columns) -> list[float]:

@@ -14,7 +14,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         "plot", allow_abbrev=False, help="redraw accuracy and reward against time and steps from saved runs"
     )
     plot.add_argument("runs", nargs="+", help="run folders written by pods train")
-    plot.add_argument("--output", help="PNG path (default: FIRST_RUN/training.png)")
+    plot.add_argument("--output", help="PNG path (default: FIRST_RUN/training.png, or timeline.png)")
+    plot.add_argument(
+        "--timeline",
+        metavar="FIRST,LAST",
+        help="instead: when each phase of these steps ran, per process and run (e.g. 5,15)",
+    )
     plot.set_defaults(handler=run_plot)
 
     demo = commands.add_parser(
@@ -28,8 +33,18 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run_plot(args: argparse.Namespace, overrides: list[str]) -> int:
-    from pods.plotting import plot_runs
+    from pods.plotting import plot_runs, plot_timeline
 
+    if args.timeline:
+        try:
+            first, last = (int(step) for step in args.timeline.split(","))
+        except ValueError:
+            raise ConfigError(
+                f"--timeline takes the first and last step, e.g. 5,15; got {args.timeline!r}"
+            ) from None
+        output = Path(args.output) if args.output else Path(args.runs[0]) / "timeline.png"
+        print(f"wrote {plot_timeline(args.runs, output, (first, last))}")
+        return 0
     output = Path(args.output) if args.output else Path(args.runs[0]) / "training.png"
     print(f"wrote {plot_runs(args.runs, output)}")
     return 0

