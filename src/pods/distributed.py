@@ -48,6 +48,15 @@ def gather(accelerator: Any, values: torch.Tensor) -> torch.Tensor:
     return accelerator.gather(values.to(accelerator.device)).to(values.device)
 
 
+def every_process(accelerator: Any, value: Any) -> list[Any]:
+    """Every process's ``value`` (any picklable object), in process order, on each process."""
+    if accelerator.num_processes == 1:
+        return [value]
+    from accelerate.utils import gather_object
+
+    return gather_object([value])
+
+
 def synced_max(accelerator: Any, value: float) -> float:
     """The largest ``value`` over processes (e.g. the slowest process's seconds), so all decide alike."""
     if accelerator.num_processes == 1:

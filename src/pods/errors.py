@@ -31,6 +31,11 @@ class RolloutWorkerError(RuntimeError):
     """``async_generation``: the rollout worker died or failed; names how, with the worker's traceback."""
 
 
+class VLLMServerError(RuntimeError):
+    """``vllm_mode: server``: the vLLM server is down, too slow, or refused a request; names the server and the
+    fix."""
+
+
 class PromptFilterExhausted(RuntimeError):
     """``prompt_filter_exhausted: error``: a step's last generation round left it short of groups that pass."""
 
@@ -43,4 +48,5 @@ USER_ERRORS = (
     CheckpointWriteError,
     PromptFilterExhausted,
     RolloutWorkerError,
+    VLLMServerError,
 )

@@ -219,10 +219,22 @@ def plot_timeline(
                           edgecolor="white", linewidth=0.3, label=label)  # fmt: skip
         axis.set_yticks(range(len(lanes)), list(lanes))
         per_step = sum(row["seconds_step"] for row in chosen) / len(chosen)
-        axis.set_title(f"{path.name}: steps {steps[0]}-{steps[1]}, {per_step:.2f} s per step", fontsize=9)
+        mode = "async" if "pods/async/worker_timeline" in chosen[0] else "sync"
+        axis.set_title(
+            f"{_run_label(path, [p for p, _ in runs])} ({mode}): steps {steps[0]}-{steps[1]}, "
+            f"{per_step:.2f} s per step",
+            fontsize=9,
+        )
     axes[-1, 0].set_xlabel("seconds (wall clock)")
     axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     return _save(figure, output)
+
+
+def _run_label(path: Path, paths: Sequence[Path]) -> str:
+    """A run's folder name, with its parent's where two runs share the name (a sweep's arm/seed0)."""
+    if sum(other.name == path.name for other in paths) > 1:
+        return f"{path.parent.name}/{path.name}"
+    return path.name
 
 
 def _save(figure, output: str | Path) -> Path:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from pods.child_process import die_with_parent
 from pods.errors import ConfigError, RolloutWorkerError
 from pods.metrics import StepTimer
 from pods.producer import ProducedBatch, ProducerState
@@ -294,7 +295,7 @@ class _WorkerFailure:
 def _worker_main(spec: WorkerSpec, channels: _Channels) -> None:
     """The worker's loop: for each step in turn, wait for the weights its batch is sampled by, load them, run
     stages 0-2 and queue the batch."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops the worker (Ctrl-C reaches both)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
@@ -447,17 +448,6 @@ def _place(cores: list[int], threads: int) -> None:
         os.sched_setaffinity(0, cores)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
     torch.set_num_threads(max(1, threads))
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when the trainer dies (no orphan worker, even after a SIGKILL)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent died before the call
-            os._exit(1)
 
 
 # ---------------------------------------------------------------------------------------------------------

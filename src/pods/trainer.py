@@ -49,6 +49,7 @@ from pods.config import TrainConfig
 from pods.distributed import (
     deepspeed_batch_settings,
     deepspeed_guards_non_finite_steps,
+    every_process,
     exported_state_dict,
     gather,
     require_every_launched_process,
@@ -232,7 +233,7 @@ class PODSTrainer:
             self.tokenizer,
             generation_batch_size=cfg.generation_batch_size,
             max_prompt_length=cfg.max_prompt_length,
-            vllm_options={**vllm_options(cfg), "seed": cfg.seed + acc.process_index},
+            vllm_options=self._vllm_options(),
         )
         self.rollouts: AsyncRollouts | None = None  # async_generation: the rollout worker, while train() runs
         # stages 0-2 (prompts, generation, rewards), in this process or in a rollout worker
@@ -248,6 +249,20 @@ class PODSTrainer:
             )
         if cfg.report_to:
             acc.init_trackers("pods", config={k: str(v) for k, v in cfg.to_dict().items()})
+
+    def _num_generations(self) -> int:
+        """n for the next batch: the configured one, or what ``num_generations: auto`` chose last."""
+        return self.auto.current if self.auto else self.config.num_generations
+
+    def _vllm_options(self) -> dict[str, Any]:
+        """The vLLM engine's settings here: each process seeds its own; several processes share one server."""
+        cfg, acc = self.config, self.accelerator
+        options = {**vllm_options(cfg), "seed": cfg.seed + acc.process_index}
+        if cfg.vllm_mode == "server" and acc.num_processes > 1:
+            from pods.rollout.vllm_server import SharedServer
+
+            options["share"] = SharedServer(acc.is_main_process, lambda value: every_process(acc, value))
+        return options
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:
@@ -300,14 +315,14 @@ class PODSTrainer:
         if self.rollouts is not None:
             # The weights of the last update go to the worker here, not at the end of that step: it samples
             # with them while this step updates, never during an evaluation or a checkpoint (off the clock).
-            n = self.auto.current if self.auto else self.config.num_generations
+            n = self._num_generations()
             with timer("sync"):
                 self.rollouts.publish(self.accelerator.unwrap_model(self.model), state.step, n)
             unbounded = self.config.prompt_filter != "none" and self.config.max_num_gen_batches == 0
             with timer("wait_for_rollouts"):  # a step is only abandoned where its rounds may never end
                 return self.rollouts.take(state.step, should_stop=stop.agreed if unbounded else None)
         self._seed_step(state.step)
-        n = self.auto.current if self.auto else self.config.num_generations
+        n = self._num_generations()
         producing = ProducerState.of(state, self.config.prompts_per_step)
         sampled = self.producer.sample(
             producing, state.step, n, timer, should_stop=stop.agreed, progress=progress.message
@@ -387,7 +402,7 @@ class PODSTrainer:
             reward_funcs=self.reward_funcs,
             rows=self.train_rows,
             cores=worker_cores,
-            threads=cfg.rollout_worker_threads or max(1, len(worker_cores)),
+            threads=max(1, len(worker_cores)),  # one torch thread per core it runs on
             start_step=state.step + len(in_flight),
             start_state=in_flight[-1].state_after
             if in_flight
@@ -403,7 +418,7 @@ class PODSTrainer:
                 self.accelerator.unwrap_model(self.model),
                 max_staleness=cfg.max_staleness,
                 sync_every=cfg.weight_sync_steps,
-                num_generations=self.auto.current if self.auto else cfg.num_generations,
+                num_generations=self._num_generations(),
                 pending=in_flight,
             )
             self.rollouts.wait_until_ready()

@@ -140,6 +140,9 @@ def main() -> None:
     )
     first_prompt = trainer.first_prompts()[0]["question"]
     print(f"distributed: {trainer.accelerator.distributed_type.value}", flush=True)
+    if hasattr(trainer.engine, "base_url"):  # vllm_mode: server: its URL, and whether this process started it
+        started = int(trainer.engine.process is not None)
+        say(f"SERVER {trainer.accelerator.process_index} {trainer.engine.base_url} {started}")
     try:
         result = trainer.train()
     except TrainingStopped as stopped:

@@ -13,11 +13,15 @@ file: that needs vLLM's NCCL weight transfer, which pods does not drive (docs/as
 A server that is down is retried for ``vllm_server_timeout`` seconds, then an error names it; a request that
 takes longer than that is an error too; after a lost connection the weights are pushed again before the next
 generation (a restarted server comes back with other weights).
+
+Several trainer processes (``accelerate launch``) share one server: the main process starts it (or checks the
+URL) and pushes the weights, every process sends its own prompts and the server batches them; a server error
+on any process is raised on all of them, so none waits for the others forever. Each request carries a seed
+drawn from torch's generator, which the trainer seeds per step and process: sampling repeats on a resume.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -29,11 +33,16 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pods.child_process import die_with_parent
+from pods.errors import VLLMServerError
 from pods.rollout.base import (
     Rollouts,
     SamplingParams,
@@ -45,14 +54,19 @@ from pods.rollout.base import (
 )
 from pods.rollout.base import pad_token_id as find_pad_token_id
 
-__all__ = ["VLLMServerEngine", "VLLMServerError", "WeightLoader", "serve_command"]
+__all__ = ["SharedServer", "VLLMServerEngine", "VLLMServerError", "WeightLoader", "serve_command"]
 
 SERVED_NAME = "pods-policy"
 RETRY_SECONDS = 1.0
 
 
-class VLLMServerError(RuntimeError):
-    """The vLLM server is down, too slow, or refused a request; the message names the server and the fix."""
+@dataclass(frozen=True)
+class SharedServer:
+    """How the processes of one launch share a server: ``every_process(value)`` is the list of every process's
+    value, in process order, on each of them (a collective: all processes call it alike)."""
+
+    is_main: bool
+    every_process: Callable[[Any], list[Any]]
 
 
 class WeightLoader:
@@ -106,6 +120,7 @@ class VLLMServerEngine:
         kv_cache_gb: float = 1.0,
         seed: int = 0,
         cores: list[int] | None = None,
+        share: SharedServer | None = None,
     ) -> None:
         from pods.rollout.vllm import _base_model, _save_unquantized_config, engine_dtype
 
@@ -118,12 +133,15 @@ class VLLMServerEngine:
         self.eos_token_ids = eos_token_ids(tokenizer, model)
         self.pad_token_id = find_pad_token_id(tokenizer, model, self.eos_token_ids)
         self.on_gpu = next(model.parameters()).device.type == "cuda"
+        self.share = share
+        self.leads = share is None or share.is_main  # starts the server and pushes the weights
         self.process: subprocess.Popen | None = None
         self.stale = True  # the server's weights are not (or no longer known to be) the policy's
         shared = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self._folder = tempfile.mkdtemp(prefix="pods-vllm-server-", dir=shared)
+        self._finalizer = weakref.finalize(self, _stop, None, self._folder)
         self.weights_file = os.path.join(self._folder, "weights.safetensors")
-        if base_url is None:
+        if base_url is None and self.leads:
             config = _base_model(model).config
             positions = getattr(config, "max_position_embeddings", None)
             if max_model_length is not None and positions is not None:  # vLLM refuses more than the model has
@@ -148,10 +166,16 @@ class VLLMServerEngine:
                 stderr=subprocess.STDOUT,
                 env=environment,
                 start_new_session=True,  # its own process group: close() stops all of it
-                preexec_fn=_die_with_parent,  # and the kernel stops it if its parent dies (no orphan server)
+                preexec_fn=die_with_parent,  # and the kernel stops it if its parent dies (no orphan server)
             )
-        self.base_url = base_url.rstrip("/")
-        self._wait_until_ready()
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _stop, self.process, self._folder)
+        self.base_url = base_url.rstrip("/") if base_url else ""
+        error = self._error_of(self._wait_until_ready) if self.leads else None
+        self.base_url, error = self._every_process((self.base_url, error))[0]  # the main process's server
+        if error:
+            self.close()
+            raise VLLMServerError(error)
         self.sync_weights(model)
 
     # ------------------------------------------------------------------ the server
@@ -212,27 +236,30 @@ class VLLMServerEngine:
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Write the policy's weights (LoRA folded in, a 4-bit base dequantized) to the shared file and have the
-        server load them, then drop its prefix cache."""
+        server load them, then drop its prefix cache. Every process reads the weights (under FSDP2 or ZeRO-3
+        gathering them is collective); the main process pushes them."""
         from safetensors.torch import save_file
 
         from pods.rollout.vllm import _named_weights
 
         self.model = model
-        weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in _named_weights(model)}
-        unique = {}
-        seen: dict[int, str] = {}
-        for (
-            name,
-            tensor,
-        ) in weights.items():  # tied weights: one copy each (safetensors refuses shared storage)
-            key = tensor.data_ptr()
-            unique[name] = tensor.clone() if key in seen else tensor
-            seen.setdefault(key, name)
-        save_file(unique, self.weights_file)
+        unique: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, tensor in _named_weights(model):
+            if self.leads:  # tied weights: one copy each (safetensors refuses shared storage)
+                tensor = tensor.detach().to("cpu").contiguous()
+                unique[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
+                seen.add(tensor.data_ptr())
         self.stale = False
-        self._post("/collective_rpc", {"method": "pods_load_weights", "args": [self.weights_file]})
-        self._post("/reset_prefix_cache", {})
-        if self.stale:  # the connection dropped during the push: once more, to a server that is back
+
+        def push() -> None:
+            save_file(unique, self.weights_file)
+            self._post("/collective_rpc", {"method": "pods_load_weights", "args": [self.weights_file]})
+            self._post("/reset_prefix_cache", {})
+
+        error = self._error_of(push) if self.leads else None
+        # a connection that dropped during the push: push again, to the server that is back
+        if self._agree(error, self.stale):
             self.sync_weights(model)
 
     # ------------------------------------------------------------------ sampling
@@ -253,12 +280,18 @@ class VLLMServerEngine:
             "logprobs": 0,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
+            "seed": int(torch.randint(0, 2**31 - 1, ()).item()),  # seeded per step and process by the trainer
         }
+        answer = None
         while True:  # a server that was lost meanwhile may have restarted with other weights: push, ask again
-            if self.stale:
+            if self._agree(None, self.stale):
                 self.sync_weights(self.model)
-            answer = self._post("/v1/completions", body)
-            if not self.stale:
+
+            def ask() -> None:
+                nonlocal answer
+                answer = self._post("/v1/completions", body)
+
+            if not self._agree(self._error_of(ask), self.stale):
                 break
         choices = sorted(answer["choices"], key=lambda c: c["index"])  # prompt p's i-th: index p * n + i
         token_ids = [[int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]] for c in choices]
@@ -285,6 +318,31 @@ class VLLMServerEngine:
             sampling_logprobs=sampling_logprobs,
         )
 
+    # ------------------------------------------------------------------ several processes
+    def _every_process(self, value: Any) -> list[Any]:
+        return [value] if self.share is None else self.share.every_process(value)
+
+    def _error_of(self, action: Callable[[], None]) -> str | None:
+        """Run ``action``; its :class:`VLLMServerError` as text (raised at once with no other process to tell)."""
+        if self.share is None:
+            action()
+            return None
+        try:
+            action()
+        except VLLMServerError as error:
+            return str(error)
+        return None
+
+    def _agree(self, error: str | None, stale: bool) -> bool:
+        """Raise any process's error on every process; else whether any process found the server's weights stale
+        (then all of them push and ask again)."""
+        reports = self._every_process((error, stale))
+        errors = [(rank, text) for rank, (text, _) in enumerate(reports) if text]
+        if errors:
+            rank, text = errors[0]
+            raise VLLMServerError(text if self.share is None else f"process {rank}: {text}")
+        return any(flag for _, flag in reports)
+
     def round_multiple(self, num_generations: int) -> int:
         from pods.rollout.vllm import VLLM_MAX_NUM_SEQS
 
@@ -292,21 +350,10 @@ class VLLMServerEngine:
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
-        """Stop the server pods started (its whole process group), and remove the shared files."""
-        if self.process is not None and self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(timeout=20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                if self.process.poll() is None:
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                    self.process.wait()
+        """Stop the server pods started (its whole process group), and remove the shared files. Also run at
+        garbage collection or interpreter exit if the engine was not closed."""
+        self._finalizer()
         self.process = None
-        shutil.rmtree(self._folder, ignore_errors=True)
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
 
     def _tail_of_log(self) -> str:
         path = os.path.join(self._folder, "server.log")
@@ -316,14 +363,17 @@ class VLLMServerEngine:
             return "(no log)"
 
 
-def _die_with_parent() -> None:
-    """Linux, in the server's child process before exec: SIGKILL when the process that started it dies."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+def _stop(process: subprocess.Popen | None, folder: str) -> None:
+    """Stop a server's whole process group (SIGTERM, then SIGKILL after 20 s) and remove its folder."""
+    if process is not None and process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _free_port(host: str) -> int:
