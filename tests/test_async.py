@@ -185,6 +185,32 @@ def test_an_async_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> N
     )
 
 
+def test_a_resume_with_a_smaller_max_staleness_samples_the_too_old_batches_again(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A checkpoint of a max_staleness 2 run holds the batches of steps 2 (weights 0) and 3 (weights 1); resumed
+    with max_staleness 1, step 2's batch would be 2 steps old: both are sampled again, and counted."""
+    first = RecordingTrainer(
+        tiny_config(tiny_model_dir, tmp_path, max_steps=2, save_every_steps=2, max_staleness=2),
+        reward_funcs=[count_of_a],
+        train_dataset=tiny_dataset(),
+    )
+    first.train()
+    [checkpoint] = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")]
+    assert [(b.step, b.version) for b in load_in_flight(checkpoint)] == [(2, 0), (3, 1)]
+    resumed = RecordingTrainer(
+        tiny_config(tiny_model_dir, tmp_path, max_steps=4, max_staleness=1, resume_from="auto"),
+        reward_funcs=[count_of_a],
+        train_dataset=tiny_dataset(),
+    )
+    resumed.train()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert [row["pods/async/batches_sampled_again"] for row in rows[2:]] == [2, 0]
+    # sampled again by the checkpoint's weights (those of step 2): 0 steps old for step 2, 1 for step 3
+    assert [row["pods/async/staleness_max"] for row in rows[2:]] == [0, 1]
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -275,6 +275,11 @@ class PODSTrainer:
         progress = TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time)
         with stop, progress, self._trackers(), self._rollout_worker(state, in_flight):
             progress.message(f"rollout engine: {cfg.rollout_engine} ({self.engine_reason})")
+            if self.batches_sampled_again:
+                progress.message(
+                    f"{self.batches_sampled_again} batch(es) in flight in the checkpoint were sampled more than "
+                    f"max_staleness = {cfg.max_staleness} steps before they would train: sampled again"
+                )
             if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
                 self._evaluate(state, progress)
             with self._checkpoint_if_the_worker_fails(state):
@@ -363,6 +368,8 @@ class PODSTrainer:
         metrics.update(self._stage_metrics(sampled, groups, chosen, trained), **batch.skip_metrics)
         if self.rollouts is not None:
             metrics.update(async_metrics(batch))
+            metrics["pods/async/batches_sampled_again"] = self.batches_sampled_again  # once, after a resume
+            self.batches_sampled_again = 0
         if self.auto:
             seconds = dict(timer.seconds)
             if self.rollouts is not None:  # generating is the worker's time; the trainer's waiting is neither
@@ -706,6 +713,7 @@ class PODSTrainer:
             self.metrics_log.reset()
             self.eval_log.reset()
             self.auto_log.reset()
+            self.batches_sampled_again = 0
             return TrainerState(), []
         state = resume_checkpoint(self.accelerator, folder, self.scheduler)
         self._saved = (state.step, folder)
@@ -717,7 +725,9 @@ class PODSTrainer:
                 self.auto.restore([r for r in read_jsonl(self.auto_log.path) if r["step"] <= state.step])
         self.eval_log.truncate_after(state.step)
         in_flight = load_in_flight(folder) if self.config.async_generation else []
-        return state, fresh_in_flight(in_flight, state.step, self.config.max_staleness)
+        fresh = fresh_in_flight(in_flight, state.step, self.config.max_staleness)
+        self.batches_sampled_again = len(in_flight) - len(fresh)  # too old for this run's max_staleness
+        return state, fresh
 
     # ------------------------------------------------------------------ set-up helpers
     def _finished(self, state: TrainerState) -> bool:
