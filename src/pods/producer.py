@@ -22,9 +22,9 @@ from pods.distributed import gather, synced_max, synced_sum
 from pods.metrics import StepTimer
 from pods.prompt_filter import PassShare, SampledGroups, next_round_size
 from pods.prompt_skip import (
-    GresoSettings,
     PromptHistory,
     adapt_exploration,
+    greso_settings,
     group_outcomes,
     record_outcomes,
     round_prompts,
@@ -154,13 +154,7 @@ class Producer:
         )
         acc = self.accelerator
         self.prompts = PromptStream(rows, config.seed, acc.process_index, acc.num_processes)
-        self.greso = None
-        if config.prompt_skip == "greso":
-            self.greso = GresoSettings(
-                config.prompt_skip_target,
-                solved_mean=config.prompt_skip_solved_mean,
-                failed_mean=config.prompt_skip_failed_mean,
-            )
+        self.greso = greso_settings(config)
         self.sampling = SamplingParams(
             max_new_tokens=config.max_completion_length,
             temperature=config.temperature,

@@ -92,6 +92,18 @@ class GresoSettings:
         return {SOLVED: self.target_zero_variance / 3, FAILED: self.target_zero_variance * 2 / 3}
 
 
+def greso_settings(config: Any) -> GresoSettings | None:
+    """GRESO's settings from a run's config (``pods train``'s or the TRL drop-in's: the same ``prompt_skip*``
+    names), or None without ``prompt_skip: greso``."""
+    if config.prompt_skip != "greso":
+        return None
+    return GresoSettings(
+        config.prompt_skip_target,
+        solved_mean=config.prompt_skip_solved_mean,
+        failed_mean=config.prompt_skip_failed_mean,
+    )
+
+
 @dataclass(frozen=True)
 class PromptHistory:
     """Per prompt id, its current streak ``(SOLVED or FAILED, consecutive groups)``; and the two exploration rates."""

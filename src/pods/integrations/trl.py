@@ -58,6 +58,7 @@ from pods.prompt_skip import (
     PromptHistory,
     SkippedPrompts,
     adapt_exploration,
+    greso_settings,
     group_outcomes,
     record_outcomes,
     round_prompts,
@@ -428,13 +429,7 @@ class PODSTrainer(GRPOTrainer):
             self.accelerator.num_processes,
         )
         self._pods_rewards_per_func: torch.Tensor | None = None
-        self._pods_greso = None
-        if args.prompt_skip == "greso":
-            self._pods_greso = GresoSettings(
-                args.prompt_skip_target,
-                solved_mean=args.prompt_skip_solved_mean,
-                failed_mean=args.prompt_skip_failed_mean,
-            )
+        self._pods_greso = greso_settings(args)
         self._pods_history = PromptHistory.start(self._pods_greso) if self._pods_greso else None
         self._pods_pass_share = PassShare()  # the filter's running share of groups that pass
         self._pods_prompts_drawn = (

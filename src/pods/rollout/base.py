@@ -14,6 +14,7 @@ __all__ = [
     "concat_rollouts",
     "cut_after_stop",
     "left_pad",
+    "pack_completions",
     "tokenize_prompts",
 ]
 
@@ -214,6 +215,42 @@ def tokenize_prompts(engine, prompts: list[str], num_generations: int) -> list[l
     if min(len(ids) for ids in encoded) == 0:
         raise ValueError("an empty prompt tokenizes to no tokens; every prompt needs at least one token.")
     return [list(ids) for ids in encoded]
+
+
+def pack_completions(
+    engine,
+    encoded: list[list[int]],
+    token_ids: list[list[int]],
+    logprobs: list[list[float | None] | None],
+    truncated: list[bool],
+    num_generations: int,
+    sampling: SamplingParams,
+) -> Rollouts:
+    """Rollouts from an engine's sampled token lists (prompt-major, ``num_generations`` per prompt of
+    ``encoded``): completions right-padded with the engine's ``pad_token_id``, the log-prob each token was
+    sampled with (0 where the engine reported none), prompts left-padded, texts cut after a stop string."""
+    width = max(1, max(len(ids) for ids in token_ids))
+    completion_ids = torch.full((len(token_ids), width), engine.pad_token_id, dtype=torch.long)
+    completion_mask = torch.zeros((len(token_ids), width), dtype=torch.long)
+    sampling_logprobs = torch.zeros((len(token_ids), width), dtype=torch.float32)
+    for row, (ids, lps) in enumerate(zip(token_ids, logprobs, strict=True)):
+        completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        completion_mask[row, : len(ids)] = 1
+        if lps is not None:
+            sampling_logprobs[row, : len(ids)] = torch.tensor([lp or 0.0 for lp in lps], dtype=torch.float32)
+    prompt_ids, prompt_mask = left_pad(encoded, engine.pad_token_id)
+    texts = engine.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+    return Rollouts(
+        prompt_ids=prompt_ids.repeat_interleave(num_generations, dim=0),
+        prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        texts=[cut_after_stop(text, sampling.stop_strings) for text in texts],
+        truncated=torch.tensor(truncated),
+        num_prompts=len(encoded),
+        num_generations=num_generations,
+        sampling_logprobs=sampling_logprobs,
+    )
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,9 +43,8 @@ from pods.rollout.base import (
     Rollouts,
     SamplingParams,
     batch_multiple,
-    cut_after_stop,
     eos_token_ids,
-    left_pad,
+    pack_completions,
     pad_token_id,
     tokenize_prompts,
 )
@@ -290,29 +289,14 @@ class VLLMEngine:
 
         completions = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]
         rows = [completion for group in completions for completion in group]
-        token_ids = [list(c.token_ids) for c in rows]
-        logprobs = [_sampled_logprobs(c) for c in rows]
-        width = max(1, max(len(ids) for ids in token_ids))
-        completion_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        completion_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        sampling_logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
-        for row, (ids, lps) in enumerate(zip(token_ids, logprobs, strict=True)):
-            completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            completion_mask[row, : len(ids)] = 1
-            if lps is not None:
-                sampling_logprobs[row, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
-        prompt_ids, prompt_mask = left_pad(encoded, self.pad_token_id)
-        texts = self.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
-        return Rollouts(
-            prompt_ids=prompt_ids.repeat_interleave(num_generations, dim=0),
-            prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
-            completion_ids=completion_ids,
-            completion_mask=completion_mask,
-            texts=[cut_after_stop(text, sampling.stop_strings) for text in texts],
-            truncated=torch.tensor([c.finish_reason == "length" for c in rows]),
-            num_prompts=len(prompts),
-            num_generations=num_generations,
-            sampling_logprobs=sampling_logprobs,
+        return pack_completions(
+            self,
+            encoded,
+            [list(c.token_ids) for c in rows],
+            [_sampled_logprobs(c) for c in rows],
+            [c.finish_reason == "length" for c in rows],
+            num_generations,
+            sampling,
         )
 
     def _sampling_params(self, sampling: SamplingParams, n: int):

@@ -47,9 +47,8 @@ from pods.rollout.base import (
     Rollouts,
     SamplingParams,
     batch_multiple,
-    cut_after_stop,
     eos_token_ids,
-    left_pad,
+    pack_completions,
     tokenize_prompts,
 )
 from pods.rollout.base import pad_token_id as find_pad_token_id
@@ -294,28 +293,14 @@ class VLLMServerEngine:
             if not self._agree(self._error_of(ask), self.stale):
                 break
         choices = sorted(answer["choices"], key=lambda c: c["index"])  # prompt p's i-th: index p * n + i
-        token_ids = [[int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]] for c in choices]
-        logprobs = [c["logprobs"]["token_logprobs"] for c in choices]
-        width = max(1, max(len(ids) for ids in token_ids))
-        completion_ids = torch.full((len(choices), width), self.pad_token_id, dtype=torch.long)
-        completion_mask = torch.zeros((len(choices), width), dtype=torch.long)
-        sampling_logprobs = torch.zeros((len(choices), width), dtype=torch.float32)
-        for row, (ids, lps) in enumerate(zip(token_ids, logprobs, strict=True)):
-            completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            completion_mask[row, : len(ids)] = 1
-            sampling_logprobs[row, : len(ids)] = torch.tensor([lp or 0.0 for lp in lps], dtype=torch.float32)
-        prompt_ids, prompt_mask = left_pad(encoded, self.pad_token_id)
-        texts = self.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
-        return Rollouts(
-            prompt_ids=prompt_ids.repeat_interleave(num_generations, dim=0),
-            prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
-            completion_ids=completion_ids,
-            completion_mask=completion_mask,
-            texts=[cut_after_stop(text, sampling.stop_strings) for text in texts],
-            truncated=torch.tensor([c.get("finish_reason") == "length" for c in choices]),
-            num_prompts=len(prompts),
-            num_generations=num_generations,
-            sampling_logprobs=sampling_logprobs,
+        return pack_completions(
+            self,
+            encoded,
+            [[int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]] for c in choices],
+            [c["logprobs"]["token_logprobs"] for c in choices],
+            [c.get("finish_reason") == "length" for c in choices],
+            num_generations,
+            sampling,
         )
 
     # ------------------------------------------------------------------ several processes
