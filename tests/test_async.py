@@ -112,11 +112,14 @@ def test_batches_in_flight_survive_a_checkpoint_without_pickled_code(tmp_path: P
 def test_an_async_run_overlaps_sampling_and_reproduces_itself(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Every batch is sampled by the weights of the step before (staleness 1; the first two by the initial ones),
     in a worker process with its own pid, with the behaviour log-probs the importance weights use; the first step
-    is the sync run's first step exactly; two runs with the same seed are identical."""
+    is the sync run's first step exactly; two runs with the same seed are identical, the second with its weights
+    sent over a gloo process group instead of shared memory."""
     runs = []
-    for name in ("a", "b"):
+    for name, backend in (("a", "shared_memory"), ("b", "gloo")):
         trainer = RecordingTrainer(
-            tiny_config(tiny_model_dir, tmp_path / name, max_steps=4, save_final=False),
+            tiny_config(
+                tiny_model_dir, tmp_path / name, max_steps=4, save_final=False, weight_sync_backend=backend
+            ),
             reward_funcs=[count_of_a],
             train_dataset=tiny_dataset(),
         )

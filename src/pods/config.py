@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 SCHEDULERS = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adamw", "adamw_8bit")
 EVAL_PROTOCOLS = ("greedy", "sampled")
+WEIGHT_SYNC_BACKENDS = ("auto", "shared_memory", "gloo", "nccl")  # async: how the weights reach the worker
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # auto: vLLM where it is installed and can run, else hf
 VLLM_MODES = (
     "colocate",
@@ -119,6 +121,12 @@ class TrainConfig:
     weight_sync_steps: int = 1  # async: the worker gets new weights every this many steps (<= max_staleness)
     rollout_worker_threads: int | None = (
         None  # async: the worker's cores (default half); the trainer the rest
+    )
+    rollout_worker_device: str = (
+        "auto"  # async: cpu, cuda[:N], auto (a GPU of its own if free, else the trainer's)
+    )
+    weight_sync_backend: str = (
+        "auto"  # async: shared_memory, gloo, nccl, auto (nccl between 2 GPUs, else shm)
     )
 
     # --- rewards and loss ---
@@ -236,6 +244,12 @@ class TrainConfig:
             "rollout_worker_threads",
             "must be at least 1, or null (half the cores)",
         )
+        _require(
+            re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.rollout_worker_device) is not None,
+            "rollout_worker_device",
+            f"must be auto, cpu, cuda or cuda:N, got {self.rollout_worker_device!r}",
+        )
+        require_choice(self.weight_sync_backend, WEIGHT_SYNC_BACKENDS, "weight_sync_backend")
         _require(self.max_completion_length >= 1, "max_completion_length", "must be at least 1")
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")

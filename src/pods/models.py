@@ -68,7 +68,15 @@ def load_tokenizer(name: str, padding_side: str = "left"):
 
 
 def load_policy(config: TrainConfig, device: torch.device | None = None) -> Policy:
-    """Build the model to train from the configuration: full weights, LoRA, or QLoRA (4-bit base)."""
+    """Build the model to train from the configuration: full weights, LoRA, or QLoRA (4-bit base); on ``device``
+    if given (else where transformers loads it: the trainer's accelerator moves it)."""
+    policy = _build_policy(config)
+    if device is not None and next(policy.model.parameters()).device != torch.device(device):
+        policy.model.to(device)
+    return policy
+
+
+def _build_policy(config: TrainConfig) -> Policy:
     from transformers import AutoModelForCausalLM
 
     name = resolve_model_path(config.model)

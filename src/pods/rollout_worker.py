@@ -5,8 +5,9 @@ current one, each on its own cores.
 The schedule is fixed, so that a run is reproducible and resumes exactly: the batch of step t is sampled by the
 weights after step ``v(t) = ceil((t - s) / k) x k`` (at least the weights the process started from), s =
 ``max_staleness`` and k = ``weight_sync_steps`` <= s, so its staleness t - v(t) is at most s. The trainer
-publishes those versions only, into shared memory (a copy of the trainable weights), and waits before
-overwriting one until the worker has taken it; the worker waits for the version a batch needs. Batches go
+publishes those versions only and waits before overwriting one until the worker has taken it; the worker
+waits for the version a batch needs. The weights (the trainable ones) travel through shared memory, or through
+a two-rank process group (:mod:`pods.weight_sync`: gloo, or NCCL from the trainer's GPU to the worker's). Batches go
 through a bounded queue and carry the version that sampled them and the producer's state after them (the
 stream's cursor, GRESO's history, the pass share). A checkpoint at step T holds the batches in flight that the
 checkpoint's weights could not sample again (those of steps T.. with v(t) < T), so that a resumed run trains
@@ -37,6 +38,7 @@ from pods.errors import ConfigError, RolloutWorkerError
 from pods.metrics import StepTimer
 from pods.producer import ProducedBatch, ProducerState
 from pods.prompt_filter import SampledGroups
+from pods.weight_sync import TensorLayout, WeightReceiver, WeightSender
 
 __all__ = [
     "IN_FLIGHT_FILE",
@@ -50,6 +52,7 @@ __all__ = [
     "sampler_version",
     "save_in_flight",
     "split_cores",
+    "visible_gpu",
     "vllm_options",
 ]
 
@@ -134,13 +137,25 @@ class WorkerSpec:
     start_step: int  # the first step the worker samples
     start_state: ProducerState
     first_version: int  # the weights version the trainer starts from
+    device: str = "cpu"  # where the worker's model and engine run (cuda:N: the trainer's numbering)
+
+
+@dataclass(frozen=True)
+class _GroupAddress:
+    """Where the worker joins the trainer's weights group, and the layout of what it receives."""
+
+    backend: str
+    host: str
+    port: int
+    layout: TensorLayout
 
 
 class _Channels:
-    """What the two processes share: the trainable weights (shared memory), the published and the taken
-    version with a condition to wait on, n per version, the batch queue and a stop flag."""
+    """What the two processes share: the trainable weights (in shared memory, or the address of the process
+    group they travel through), the published and the taken version with a condition to wait on, n per version,
+    the batch queue and a stop flag."""
 
-    def __init__(self, context: Any, weights: dict[str, torch.Tensor], capacity: int) -> None:
+    def __init__(self, context: Any, weights: dict[str, torch.Tensor] | _GroupAddress, capacity: int) -> None:
         self.weights = weights
         self.published = context.Value("q", -1, lock=False)
         self.taken = context.Value("q", -1, lock=False)
@@ -164,13 +179,23 @@ class AsyncRollouts:
         sync_every: int,
         num_generations: int,
         pending: list[ProducedBatch] | None = None,
+        weight_sync_backend: str = "shared_memory",
     ) -> None:
         self.max_staleness, self.sync_every = max_staleness, sync_every
         self.first = spec.first_version
         self.ready: dict[int, ProducedBatch] = {batch.step: batch for batch in pending or []}
         self.abandoned = False
         context = torch.multiprocessing.get_context("spawn")
-        weights = {name: p.detach().to("cpu", copy=True).share_memory_() for name, p in _trainable(model)}
+        trainable = _trainable(model)
+        self.sender: WeightSender | None = None
+        if weight_sync_backend == "shared_memory":
+            weights: Any = {name: p.detach().to("cpu", copy=True).share_memory_() for name, p in trainable}
+        else:  # staged on the trainer's GPU for NCCL, in host memory for gloo
+            device = trainable[0][1].device if weight_sync_backend == "nccl" else "cpu"
+            self.sender = WeightSender(trainable, backend=weight_sync_backend, device=device)
+            weights = _GroupAddress(
+                weight_sync_backend, self.sender.host, self.sender.port, self.sender.layout
+            )
         self.channels = _Channels(context, weights, capacity=max_staleness + 1)
         self._write(model, spec.first_version, num_generations)
         self.process = context.Process(target=_worker_main, args=(spec, self.channels), daemon=True)
@@ -239,10 +264,15 @@ class AsyncRollouts:
         return True
 
     def _write(self, model: torch.nn.Module, version: int, num_generations: int) -> None:
+        """Copy the weights where the worker takes them (shared memory, or the sender's staging buffers, sent
+        from a background thread), then publish their version."""
         channels = self.channels
+        if self.sender is not None:
+            self.sender.send(_trainable(model))
         with channels.changed, torch.no_grad():
-            for name, parameter in _trainable(model):
-                channels.weights[name].copy_(parameter.detach())
+            if self.sender is None:
+                for name, parameter in _trainable(model):
+                    channels.weights[name].copy_(parameter.detach())
             channels.num_generations.value = num_generations
             channels.published.value = version
             channels.changed.notify_all()
@@ -299,7 +329,7 @@ def _worker_main(spec: WorkerSpec, channels: _Channels) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops the worker (Ctrl-C reaches both)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        _place(spec.cores, spec.threads)
+        _place(spec.cores, spec.threads, spec.device)
         _produce_forever(spec, channels)
     except BaseException as error:  # everything reaches the trainer, which decides what it means
         with contextlib.suppress(Exception):
@@ -314,7 +344,7 @@ def _produce_forever(spec: WorkerSpec, channels: _Channels) -> None:
     from pods.rollout import build_engine
 
     config = TrainConfig.from_dict(spec.config)
-    policy = load_policy(config)
+    policy = load_policy(config, _local_device(spec.device))
     model = policy.model.eval()
     engine = build_engine(
         config.rollout_engine,
@@ -338,6 +368,7 @@ def _produce(
     from pods.producer import Producer, seed_step
 
     trainable = dict(_trainable(model))
+    incoming = _incoming_weights(channels.weights, trainable)
     producer = Producer(config, engine, tokenizer, spec.rows, reward_funcs=spec.reward_funcs)
     step, state, loaded = spec.start_step, spec.start_state, None
     while not channels.stop.is_set():
@@ -349,10 +380,12 @@ def _produce(
             if channels.stop.is_set():
                 return
             if loaded != want:  # the published version is exactly ``want``: the trainer waits for this take
-                with torch.no_grad():
-                    for name, tensor in channels.weights.items():
-                        trainable[name].copy_(tensor)
                 num_generations = int(channels.num_generations.value)
+        if loaded != want:
+            with torch.no_grad():
+                for name, tensor in incoming().items():
+                    trainable[name].copy_(tensor)
+            with channels.changed:
                 channels.taken.value = want
                 channels.changed.notify_all()
         idle = time.perf_counter() - waited
@@ -373,6 +406,27 @@ def _produce(
             except queue.Full:
                 continue
         step, state = step + 1, after
+
+
+def _incoming_weights(
+    weights: dict[str, torch.Tensor] | _GroupAddress, trainable: dict[str, torch.Tensor]
+) -> Any:
+    """A function that returns the published weights: the shared-memory tensors, or the next broadcast of the
+    trainer's group (received on the worker's device), after checking that they are the worker's trainable
+    ones."""
+    if isinstance(weights, dict):
+        return lambda: weights
+    names = [name for name, _, _ in weights.layout.entries]
+    if names != list(trainable):
+        raise RolloutWorkerError(
+            f"the rollout worker's trainable weights differ from the trainer's ({len(trainable)} against "
+            f"{len(names)} tensors): they must build the same model from the same configuration"
+        )
+    device = next(iter(trainable.values())).device
+    receiver = WeightReceiver(
+        weights.layout, backend=weights.backend, host=weights.host, port=weights.port, device=device
+    )
+    return receiver.receive
 
 
 class BehaviourLogprobs:
@@ -442,12 +496,30 @@ def vllm_options(config: Any, cores: list[int] | None = None) -> dict[str, Any]:
     }
 
 
-def _place(cores: list[int], threads: int) -> None:
-    """Run on ``cores`` with ``threads`` torch threads (and vLLM's CPU threads bound to the same cores)."""
+def _place(cores: list[int], threads: int, device: str = "cpu") -> None:
+    """Run on ``cores`` with ``threads`` torch threads (and vLLM's CPU threads bound to the same cores); on GPU
+    ``device`` only (it is then this process's cuda:0, where a vLLM engine or server it starts runs too)."""
     if cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
     torch.set_num_threads(max(1, threads))
+    if torch.device(device).type == "cuda":  # before anything here touches CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpu(device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def visible_gpu(device: str, visible: str | None) -> str:
+    """The CUDA_VISIBLE_DEVICES that shows a process ``device`` alone (cuda:N in the numbering ``visible``, the
+    parent's CUDA_VISIBLE_DEVICES, sets up)."""
+    index = torch.device(device).index or 0
+    numbering = (
+        [name.strip() for name in visible.split(",")] if visible else [str(i) for i in range(index + 1)]
+    )
+    return numbering[index]
+
+
+def _local_device(device: str) -> torch.device:
+    """The worker's device as the worker numbers it (its one visible GPU is cuda:0)."""
+    return torch.device("cuda", 0) if torch.device(device).type == "cuda" else torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------------------------------------

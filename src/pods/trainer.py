@@ -88,6 +88,7 @@ from pods.rollout_worker import (
 from pods.run_folder import require_shared_folder
 from pods.scoring import RewardFunction, reward_name
 from pods.update import NonFiniteGuard, policy_update
+from pods.weight_sync import resolve_placement
 
 __all__ = ["NonFiniteError", "PODSTrainer", "TrainResult", "TrainingStopped", "train"]
 
@@ -165,6 +166,14 @@ class PODSTrainer:
                 "async_generation runs one trainer process with one rollout worker; with several processes "
                 "(accelerate launch) set async_generation: false"
             )
+        # async: where the rollout worker runs and how the weights reach it (an impossible choice fails here)
+        self.worker_device, self.weight_sync_backend = (
+            resolve_placement(
+                cfg.rollout_worker_device, cfg.weight_sync_backend, acc.device, torch.cuda.device_count()
+            )
+            if cfg.async_generation
+            else ("", "")
+        )
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.output_dir / "config.yaml")
@@ -415,6 +424,7 @@ class PODSTrainer:
             if in_flight
             else ProducerState.of(state, cfg.prompts_per_step),
             first_version=state.step,
+            device=self.worker_device,
         )
         try:
             if trainer_cores:
@@ -427,6 +437,7 @@ class PODSTrainer:
                 sync_every=cfg.weight_sync_steps,
                 num_generations=self._num_generations(),
                 pending=in_flight,
+                weight_sync_backend=self.weight_sync_backend,
             )
             self.rollouts.wait_until_ready()
             yield
