@@ -137,8 +137,9 @@ def test_a_server_pods_starts_samples_the_policy_and_takes_new_weights() -> None
 
 
 def test_a_server_given_by_url_that_restarts_gets_the_weights_again(tmp_path: Path) -> None:
-    """The user starts the server (the command pods would run); pods pushes its weights; the server restarts
-    (with dummy weights); the next generation pushes them again and samples the policy."""
+    """The user starts the server (the command pods would run); pods pushes its weights over a gloo group, as to
+    a server on another machine (no shared file); the server restarts (with dummy weights); the next generation
+    meets the new server's group, pushes them again and samples the policy."""
     model, tokenizer = embedded()
     folder = tmp_path / "served"
     folder.mkdir()
@@ -160,7 +161,10 @@ def test_a_server_given_by_url_that_restarts_gets_the_weights_again(tmp_path: Pa
 
     server = start()
     try:
-        engine = VLLMServerEngine(model, tokenizer, base_url=f"http://127.0.0.1:{port}", timeout=300)
+        engine = VLLMServerEngine(
+            model, tokenizer, base_url=f"http://127.0.0.1:{port}", timeout=300, weight_sync="gloo"
+        )
+        assert not os.path.exists(engine.weights_file)  # the weights did not go through the file
         expected = hf_greedy(model, tokenizer)
         assert engine.generate(PROMPTS, 1, GREEDY).texts == expected
         os.killpg(server.pid, signal.SIGKILL)

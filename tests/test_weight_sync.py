@@ -15,7 +15,14 @@ import torch
 from pods.config import TrainConfig
 from pods.errors import ConfigError
 from pods.rollout_worker import visible_gpu
-from pods.weight_sync import TensorLayout, WeightReceiver, WeightSender, WeightSyncError, resolve_placement
+from pods.weight_sync import (
+    TensorLayout,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncError,
+    resolve_placement,
+    weights_store,
+)
 
 
 def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
@@ -41,7 +48,8 @@ def test_the_layout_gives_every_tensor_its_own_place_in_one_buffer_per_dtype() -
 
 
 def _receive(layout: TensorLayout, port: int, go, results, times: int) -> None:
-    receiver = WeightReceiver(layout, backend="gloo", host="127.0.0.1", port=port, device="cpu")
+    store = weights_store("127.0.0.1", port, serve=False)
+    receiver = WeightReceiver(layout, backend="gloo", device="cpu", store=store)
     go.wait(60)  # busy elsewhere until the sender has long returned
     for _ in range(times):
         results.put({name: tensor.clone() for name, tensor in receiver.receive().items()})
@@ -51,9 +59,10 @@ def test_gloo_sends_exact_weights_without_holding_the_sender() -> None:
     context = multiprocessing.get_context("spawn")
     first, second = weights(1.0), weights(2.0)
     sent_first = [(name, tensor.clone()) for name, tensor in first]
-    sender = WeightSender(first, backend="gloo", device="cpu")
+    store = weights_store("127.0.0.1", 0, serve=True)
+    sender = WeightSender(first, backend="gloo", device="cpu", store=store)
     go, results = context.Event(), context.Queue()
-    process = context.Process(target=_receive, args=(sender.layout, sender.port, go, results, 2), daemon=True)
+    process = context.Process(target=_receive, args=(sender.layout, store.port, go, results, 2), daemon=True)
     process.start()
     try:
         sending = threading.Thread(target=sender.send, args=(first,))
@@ -75,10 +84,11 @@ def test_gloo_sends_exact_weights_without_holding_the_sender() -> None:
 
 def test_a_receiver_that_dies_fails_the_next_send_instead_of_hanging() -> None:
     context = multiprocessing.get_context("spawn")
-    sender = WeightSender(weights(1.0), backend="gloo", device="cpu")
+    store = weights_store("127.0.0.1", 0, serve=True)
+    sender = WeightSender(weights(1.0), backend="gloo", device="cpu", store=store)
     go, results = context.Event(), context.Queue()
     go.set()
-    process = context.Process(target=_receive, args=(sender.layout, sender.port, go, results, 1), daemon=True)
+    process = context.Process(target=_receive, args=(sender.layout, store.port, go, results, 1), daemon=True)
     process.start()
     sender.send(weights(1.0))
     results.get(timeout=60)
@@ -137,3 +147,29 @@ def test_the_worker_sees_its_gpu_alone_in_the_parents_numbering() -> None:
 def test_bad_worker_settings_are_refused(key: str, value: str) -> None:
     with pytest.raises(ConfigError, match=key):
         TrainConfig.from_dict({key: value})
+
+
+@pytest.mark.parametrize(
+    ("choice", "base_url", "on_gpu", "expected"),
+    [
+        ("auto", None, False, "file"),  # pods starts it here
+        ("auto", "http://127.0.0.1:8000", True, "file"),
+        ("auto", "http://localhost:8000", False, "file"),
+        ("auto", "http://10.0.0.7:8000", False, "gloo"),  # another machine: no shared file
+        ("auto", "http://gpu-box:8000", True, "nccl"),
+        ("gloo", None, False, "gloo"),
+    ],
+)
+def test_how_weights_reach_a_vllm_server(
+    choice: str, base_url: str | None, on_gpu: bool, expected: str
+) -> None:
+    from pods.rollout.vllm_server import _resolve_weight_sync
+
+    assert _resolve_weight_sync(choice, base_url, on_gpu) == expected
+
+
+def test_nccl_to_a_server_from_the_cpu_is_refused() -> None:
+    from pods.rollout.vllm_server import _resolve_weight_sync
+
+    with pytest.raises(ConfigError, match="use gloo"):
+        _resolve_weight_sync("nccl", "http://gpu-box:8000", on_gpu=False)

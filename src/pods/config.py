@@ -31,6 +31,7 @@ SCHEDULERS = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adamw", "adamw_8bit")
 EVAL_PROTOCOLS = ("greedy", "sampled")
 WEIGHT_SYNC_BACKENDS = ("auto", "shared_memory", "gloo", "nccl")  # async: how the weights reach the worker
+SERVER_WEIGHT_SYNCS = ("auto", "file", "gloo", "nccl")  # vllm_mode server: how the weights reach the server
 ROLLOUT_ENGINES = ("auto", "hf", "vllm")  # auto: vLLM where it is installed and can run, else hf
 VLLM_MODES = (
     "colocate",
@@ -116,6 +117,7 @@ class TrainConfig:
     vllm_server_host: str = "127.0.0.1"  # server: where pods starts it
     vllm_server_port: int | None = None  # server: its port (None: a free one)
     vllm_server_timeout: float = 240.0  # server: seconds to wait for it to start or answer before an error
+    vllm_server_weight_sync: str = "auto"  # server: file (same machine), gloo, nccl; auto: file if local
     async_generation: bool = False  # a rollout worker process generates the next steps during the update
     max_staleness: int = 1  # async: the batch of step t is sampled by the weights of step t - max_staleness
     weight_sync_steps: int = 1  # async: the worker gets new weights every this many steps (<= max_staleness)
@@ -250,6 +252,7 @@ class TrainConfig:
             f"must be auto, cpu, cuda or cuda:N, got {self.rollout_worker_device!r}",
         )
         require_choice(self.weight_sync_backend, WEIGHT_SYNC_BACKENDS, "weight_sync_backend")
+        require_choice(self.vllm_server_weight_sync, SERVER_WEIGHT_SYNCS, "vllm_server_weight_sync")
         _require(self.max_completion_length >= 1, "max_completion_length", "must be at least 1")
         _require(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")

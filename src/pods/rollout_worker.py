@@ -38,7 +38,7 @@ from pods.errors import ConfigError, RolloutWorkerError
 from pods.metrics import StepTimer
 from pods.producer import ProducedBatch, ProducerState
 from pods.prompt_filter import SampledGroups
-from pods.weight_sync import TensorLayout, WeightReceiver, WeightSender
+from pods.weight_sync import TensorLayout, WeightReceiver, WeightSender, weights_store
 
 __all__ = [
     "IN_FLIGHT_FILE",
@@ -192,10 +192,9 @@ class AsyncRollouts:
             weights: Any = {name: p.detach().to("cpu", copy=True).share_memory_() for name, p in trainable}
         else:  # staged on the trainer's GPU for NCCL, in host memory for gloo
             device = trainable[0][1].device if weight_sync_backend == "nccl" else "cpu"
-            self.sender = WeightSender(trainable, backend=weight_sync_backend, device=device)
-            weights = _GroupAddress(
-                weight_sync_backend, self.sender.host, self.sender.port, self.sender.layout
-            )
+            store = weights_store("127.0.0.1", 0, serve=True)
+            self.sender = WeightSender(trainable, backend=weight_sync_backend, device=device, store=store)
+            weights = _GroupAddress(weight_sync_backend, "127.0.0.1", store.port, self.sender.layout)
         self.channels = _Channels(context, weights, capacity=max_staleness + 1)
         self._write(model, spec.first_version, num_generations)
         self.process = context.Process(target=_worker_main, args=(spec, self.channels), daemon=True)
@@ -423,9 +422,8 @@ def _incoming_weights(
             f"{len(names)} tensors): they must build the same model from the same configuration"
         )
     device = next(iter(trainable.values())).device
-    receiver = WeightReceiver(
-        weights.layout, backend=weights.backend, host=weights.host, port=weights.port, device=device
-    )
+    store = weights_store(weights.host, weights.port, serve=False)
+    receiver = WeightReceiver(weights.layout, backend=weights.backend, device=device, store=store)
     return receiver.receive
 
 
@@ -487,6 +485,7 @@ def vllm_options(config: Any, cores: list[int] | None = None) -> dict[str, Any]:
             "host": config.vllm_server_host,
             "port": config.vllm_server_port,
             "timeout": config.vllm_server_timeout,
+            "weight_sync": config.vllm_server_weight_sync,
             "cores": cores,
         }
     return {

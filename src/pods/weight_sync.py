@@ -1,8 +1,8 @@
 """Weights from the trainer to a rollout process over a two-rank torch process group: gloo between CPU processes
 (TCP: on one machine or across machines), NCCL between two GPUs (device to device, no host copy).
 
-The group is stateless, with its own TCP store (not torch's default group), so it lives beside accelerate's group
-in the trainer and vLLM's in a worker. Rank 0 sends, rank 1 receives, one flat buffer per dtype in a
+The group is stateless, with its own TCP store (:func:`weights_store`: either side may host it), not torch's
+default group, so it lives beside accelerate's group in the trainer and vLLM's in a server. Rank 0 sends, rank 1 receives, one flat buffer per dtype in a
 :class:`TensorLayout` both sides hold. :meth:`WeightSender.send` copies the weights into its staging buffers and
 returns; a background thread broadcasts them, so the trainer is held for the copy only, and a receiver that
 takes them later costs the trainer nothing. The staging buffers cost one more copy of the sent weights (the
@@ -21,11 +21,19 @@ import torch.distributed as dist
 
 from pods.errors import ConfigError
 
-__all__ = ["TensorLayout", "WeightReceiver", "WeightSender", "WeightSyncError", "resolve_placement"]
+__all__ = [
+    "TensorLayout",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightSyncError",
+    "resolve_placement",
+    "weights_store",
+]
 
-GROUP_TIMEOUT = timedelta(
-    hours=1
-)  # how long one side of a transfer waits for the other (a dead peer ends it)
+# How long one side of a transfer waits for the other (a dead peer ends a transfer at once).
+GROUP_TIMEOUT = timedelta(hours=1)
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8)
 
 
 class WeightSyncError(RuntimeError):
@@ -41,6 +49,15 @@ class TensorLayout:
     @classmethod
     def of(cls, named: list[tuple[str, torch.Tensor]]) -> TensorLayout:
         return cls(tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in named))
+
+    def to_json(self) -> list[list[Any]]:
+        """The layout as JSON data (to a vLLM server): [name, shape, dtype name] per tensor."""
+        return [[name, list(shape), str(dtype).removeprefix("torch.")] for name, shape, dtype in self.entries]
+
+    @classmethod
+    def from_json(cls, entries: list[list[Any]]) -> TensorLayout:
+        dtypes = {str(dtype).removeprefix("torch."): dtype for dtype in _DTYPES}
+        return cls(tuple((name, tuple(shape), dtypes[dtype]) for name, shape, dtype in entries))
 
     def buffers(self, device: torch.device | str) -> dict[torch.dtype, torch.Tensor]:
         """Empty flat buffers on ``device``, one per dtype, that hold every tensor of the layout."""
@@ -67,6 +84,14 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
+def weights_store(host: str, port: int, *, serve: bool) -> dist.TCPStore:
+    """The TCP store two ranks meet at: served here on ``port`` (0: a free one; its ``.port`` says which) or
+    reached at ``host:port``."""
+    if serve:
+        return dist.TCPStore(host, port, 2, True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
+    return dist.TCPStore(host, port, 2, False, timeout=GROUP_TIMEOUT)
+
+
 def _open_group(backend: str, store: dist.Store, rank: int, device: torch.device) -> Any:
     """The two ranks' process group (blocks until both have joined: gloo connects at once, NCCL at its first
     transfer)."""
@@ -84,13 +109,14 @@ def _broadcast(group: Any, buffers: dict[torch.dtype, torch.Tensor]) -> None:
     options.rootRank = 0
     for buffer in buffers.values():
         group.broadcast([buffer], options).wait()
-    if any(buffer.is_cuda for buffer in buffers.values()):
-        torch.cuda.synchronize()  # the transfer ran on NCCL's stream: done before the buffers are reused
+    for buffer in buffers.values():
+        if buffer.is_cuda:  # the transfer ran on NCCL's stream: done before the buffers are read or reused
+            torch.cuda.synchronize(buffer.device)
 
 
 class WeightSender:
-    """The trainer's side (rank 0): hosts the group's store on ``host`` (a free port unless ``port``), copies the
-    weights into staging buffers on ``device`` and broadcasts them from a background thread."""
+    """The trainer's side (rank 0): copies the weights into staging buffers on ``device`` and broadcasts them
+    from a background thread, to the receiver that meets it at ``store``."""
 
     def __init__(
         self,
@@ -98,13 +124,10 @@ class WeightSender:
         *,
         backend: str,
         device: torch.device | str,
-        host: str = "127.0.0.1",
-        port: int = 0,
+        store: dist.Store,
     ) -> None:
-        self.backend, self.device = backend, torch.device(device)
+        self.backend, self.device, self.store = backend, torch.device(device), store
         self.layout = TensorLayout.of(named)
-        self.store = dist.TCPStore(host, port, 2, True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
-        self.host, self.port = host, self.store.port
         self.staging = self.layout.buffers(self.device)
         self._views = self.layout.views(self.staging)
         self._group: Any = None
@@ -144,14 +167,13 @@ class WeightSender:
 
 
 class WeightReceiver:
-    """A rollout process's side (rank 1): joins the sender's group at ``host:port`` and receives each broadcast
-    into its own buffers on ``device``."""
+    """A rollout process's side (rank 1): joins the sender's group at ``store`` and receives each broadcast of
+    ``layout`` into its own buffers on ``device``."""
 
     def __init__(
-        self, layout: TensorLayout, *, backend: str, host: str, port: int, device: torch.device | str
+        self, layout: TensorLayout, *, backend: str, device: torch.device | str, store: dist.Store
     ) -> None:
-        self.backend, self.device = backend, torch.device(device)
-        self.store = dist.TCPStore(host, port, 2, False, timeout=GROUP_TIMEOUT)
+        self.backend, self.device, self.store, self.layout = backend, torch.device(device), store, layout
         self.buffers = layout.buffers(self.device)
         self.views = layout.views(self.buffers)
         self._group: Any = None

@@ -3,12 +3,14 @@ on its own devices, started by pods (``vllm_server_base_url`` unset) or given by
 
 Completions come from the server's OpenAI-compatible ``/v1/completions`` endpoint, with token ids in and out and
 the log-prob of every sampled token (the behaviour log-probs the trainer's importance weights compare against).
-Weights go to the server through a file on the same machine (``/dev/shm`` where it exists): the engine writes the
-policy's weights (LoRA folded in, as for the colocated engine) and asks the server, through vLLM's development
-endpoint ``/collective_rpc``, to load them with :class:`WeightLoader` (``--worker-extension-cls``), then to drop
-its prefix cache. A server pods starts therefore runs with ``VLLM_SERVER_DEV_MODE=1``; one given by URL must be
-started the same way (the command :func:`serve_command` builds). A server on another machine cannot read the
-file: that needs vLLM's NCCL weight transfer, which pods does not drive (docs/async.md).
+The engine sends the policy's weights (LoRA folded in, as for the colocated engine) and asks the server, through
+vLLM's development endpoint ``/collective_rpc``, to load them with :class:`WeightLoader`
+(``--worker-extension-cls``), then to drop its prefix cache. They travel (``vllm_server_weight_sync``) through a
+file on the same machine (``/dev/shm`` where it exists), or over a two-rank process group
+(:mod:`pods.weight_sync`) whose store the server hosts: gloo (TCP, from a trainer on the CPU, any machine) or
+NCCL (GPU to GPU), the way a server on another machine gets them. A server pods starts runs with
+``VLLM_SERVER_DEV_MODE=1``; one given by URL must be started the same way (the command :func:`serve_command`
+builds).
 
 A server that is down is retried for ``vllm_server_timeout`` seconds, then an error names it; a request that
 takes longer than that is an error too; after a lost connection the weights are pushed again before the next
@@ -42,7 +44,8 @@ from typing import Any
 import torch
 
 from pods.child_process import die_with_parent
-from pods.errors import VLLMServerError
+from pods.config import SERVER_WEIGHT_SYNCS
+from pods.errors import ConfigError, VLLMServerError
 from pods.rollout.base import (
     Rollouts,
     SamplingParams,
@@ -70,12 +73,36 @@ class SharedServer:
 
 class WeightLoader:
     """vLLM worker extension (``--worker-extension-cls pods.rollout.vllm_server.WeightLoader``): load the weights
-    a trainer wrote to a safetensors file into the served model (vLLM's own ``reload_weights``)."""
+    a trainer wrote to a safetensors file, or sends over a process group, into the served model (vLLM's own
+    ``reload_weights``)."""
 
     def pods_load_weights(self, path: str) -> int:
         from safetensors.torch import load_file
 
         weights = load_file(path)
+        self.model_runner.reload_weights(weights_iterator=iter(weights.items()))  # type: ignore[attr-defined]
+        return len(weights)
+
+    def pods_open_weights_store(self) -> int:
+        """Serve a new store for a trainer's weights group (a free port, returned); a previous group is dropped."""
+        from pods.weight_sync import weights_store
+
+        self._pods_store = weights_store("0.0.0.0", 0, serve=True)
+        self._pods_receiver = None
+        return self._pods_store.port
+
+    def pods_receive_weights(self, backend: str, layout: str) -> int:
+        """Receive the weights the trainer broadcasts (``layout``: :meth:`TensorLayout.to_json` as JSON) and load
+        them."""
+        from pods.weight_sync import TensorLayout, WeightReceiver
+
+        expected = TensorLayout.from_json(json.loads(layout))
+        receiver = getattr(self, "_pods_receiver", None)
+        if receiver is None or receiver.layout != expected:
+            device = "cpu" if backend == "gloo" else self.device  # type: ignore[attr-defined]
+            receiver = WeightReceiver(expected, backend=backend, device=device, store=self._pods_store)
+            self._pods_receiver = receiver
+        weights = receiver.receive()
         self.model_runner.reload_weights(weights_iterator=iter(weights.items()))  # type: ignore[attr-defined]
         return len(weights)
 
@@ -120,6 +147,7 @@ class VLLMServerEngine:
         seed: int = 0,
         cores: list[int] | None = None,
         share: SharedServer | None = None,
+        weight_sync: str = "auto",
     ) -> None:
         from pods.rollout.vllm import _base_model, _save_unquantized_config, engine_dtype
 
@@ -136,6 +164,8 @@ class VLLMServerEngine:
         self.leads = share is None or share.is_main  # starts the server and pushes the weights
         self.process: subprocess.Popen | None = None
         self.stale = True  # the server's weights are not (or no longer known to be) the policy's
+        self.weight_sync = _resolve_weight_sync(weight_sync, base_url, self.on_gpu)
+        self.sender: Any = None  # a WeightSender, over a group with the server (weight_sync gloo or nccl)
         shared = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self._folder = tempfile.mkdtemp(prefix="pods-vllm-server-", dir=shared)
         self._finalizer = weakref.finalize(self, _stop, None, self._folder)
@@ -242,24 +272,59 @@ class VLLMServerEngine:
         from pods.rollout.vllm import _named_weights
 
         self.model = model
+        if self.stale:  # a restarted server has no group: meet it again
+            self.sender = None
+        on_host = self.weight_sync in ("file", "gloo")
         unique: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, tensor in _named_weights(model):
             if self.leads:  # tied weights: one copy each (safetensors refuses shared storage)
-                tensor = tensor.detach().to("cpu").contiguous()
+                tensor = (tensor.detach().to("cpu") if on_host else tensor.detach()).contiguous()
                 unique[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
                 seen.add(tensor.data_ptr())
         self.stale = False
 
         def push() -> None:
-            save_file(unique, self.weights_file)
-            self._post("/collective_rpc", {"method": "pods_load_weights", "args": [self.weights_file]})
+            if self.weight_sync == "file":
+                save_file(unique, self.weights_file)
+                self._post("/collective_rpc", {"method": "pods_load_weights", "args": [self.weights_file]})
+            else:
+                self._send_over_group(list(unique.items()))
             self._post("/reset_prefix_cache", {})
 
         error = self._error_of(push) if self.leads else None
         # a connection that dropped during the push: push again, to the server that is back
         if self._agree(error, self.stale):
             self.sync_weights(model)
+
+    def _send_over_group(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Broadcast the weights to the server over the group it hosts (met at its first push), while asking it
+        to receive and load them."""
+        from urllib.parse import urlparse
+
+        from pods.weight_sync import WeightSender, WeightSyncError, weights_store
+
+        if self.sender is None:
+            [port] = self._post("/collective_rpc", {"method": "pods_open_weights_store", "args": []})[
+                "results"
+            ]
+            store = weights_store(urlparse(self.base_url).hostname or "127.0.0.1", int(port), serve=False)
+            device = named[0][1].device
+            self.sender = WeightSender(named, backend=self.weight_sync, device=device, store=store)
+        self.sender.send(named)
+        layout = json.dumps(self.sender.layout.to_json())
+        self._post("/collective_rpc", {"method": "pods_receive_weights", "args": [self.weight_sync, layout]})
+        try:
+            done = self.sender.wait(self.timeout)
+        except WeightSyncError as error:
+            raise VLLMServerError(
+                f"the weights did not reach the vLLM server at {self.base_url}: {error}"
+            ) from None
+        if not done:
+            raise VLLMServerError(
+                f"the vLLM server at {self.base_url} took the weights but the {self.weight_sync} transfer did not "
+                f"end within vllm_server_timeout = {self.timeout:g} s"
+            )
 
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
@@ -359,6 +424,27 @@ def _stop(process: subprocess.Popen | None, folder: str) -> None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def _resolve_weight_sync(weight_sync: str, base_url: str | None, on_gpu: bool) -> str:
+    """How the weights reach the server: ``auto`` is the shared file where the server runs on this machine (pods
+    started it, or its URL is a loopback address), else NCCL from a GPU, gloo from the CPU."""
+    from urllib.parse import urlparse
+
+    if weight_sync not in SERVER_WEIGHT_SYNCS:
+        raise ConfigError(
+            f"vllm_server_weight_sync: {weight_sync!r} is not one of {', '.join(SERVER_WEIGHT_SYNCS)}"
+        )
+    if weight_sync == "nccl" and not on_gpu:
+        raise ConfigError(
+            "vllm_server_weight_sync: nccl sends weights from a GPU; the policy is on the CPU: use gloo"
+        )
+    if weight_sync != "auto":
+        return weight_sync
+    host = urlparse(base_url).hostname if base_url else "localhost"
+    if host in ("localhost", "::1") or (host or "").startswith("127."):
+        return "file"
+    return "nccl" if on_gpu else "gloo"
 
 
 def _free_port(host: str) -> int:
