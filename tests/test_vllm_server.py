@@ -136,11 +136,17 @@ def test_a_server_pods_starts_samples_the_policy_and_takes_new_weights() -> None
     assert not alive(pid), "the server pods started outlived its engine"
 
 
-def test_a_server_given_by_url_that_restarts_gets_the_weights_again(tmp_path: Path) -> None:
+def test_a_server_given_by_url_that_restarts_gets_the_weights_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The user starts the server (the command pods would run); pods pushes its weights over a gloo group, as to
     a server on another machine (no shared file); the server restarts (with dummy weights); the next generation
     meets the new server's group, pushes them again and samples the policy."""
+    import pods.weight_sync
+
+    monkeypatch.setattr(pods.weight_sync, "BUCKET_BYTES", 2**18)  # the model travels in many buckets
     model, tokenizer = embedded()
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) > 8 * 2**18
     folder = tmp_path / "served"
     folder.mkdir()
     model.config.save_pretrained(folder)

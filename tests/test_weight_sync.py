@@ -1,5 +1,5 @@
-"""Weights over a two-rank process group (pods.weight_sync): the flat layout, a real gloo transfer between two
-processes that leaves the sender free while the receiver is busy, a receiver that dies, and where
+"""Weights over a two-rank process group (pods.weight_sync): the buckets; real gloo transfers between two
+processes, staged (the sender free while the receiver is busy) and streamed; a receiver that dies; and where
 ``rollout_worker_device`` and ``weight_sync_backend`` put the worker and its weights (GPU cases as a pure
 function: no GPU here)."""
 
@@ -31,20 +31,20 @@ def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
         ("lora_A", torch.randn(4, 3, generator=generator) * scale),
         ("norm", (torch.randn(5, generator=generator) * scale).to(torch.bfloat16)),
         ("lora_B", torch.randn(2, 4, generator=generator) * scale),
+        ("bias", torch.randn(3, generator=generator) * scale),
     ]
 
 
-def test_the_layout_gives_every_tensor_its_own_place_in_one_buffer_per_dtype() -> None:
-    named = weights(1.0)
-    layout = TensorLayout.of(named)
-    buffers = layout.buffers("cpu")
-    assert {dtype: b.numel() for dtype, b in buffers.items()} == {torch.float32: 12 + 8, torch.bfloat16: 5}
-    views = layout.views(buffers)
-    for name, tensor in named:
-        views[name].copy_(tensor)
-    for name, tensor in named:  # overlapping views would have overwritten one another
-        assert views[name].dtype == tensor.dtype and torch.equal(views[name], tensor), name
-    assert torch.equal(buffers[torch.float32][:12], named[0][1].flatten())
+SMALL_BUCKETS = 48  # bytes: weights() travels in three buckets
+
+
+def test_buckets_pack_consecutive_tensors_of_one_dtype_up_to_the_bound() -> None:
+    layout = TensorLayout.of(weights(1.0), bucket_bytes=SMALL_BUCKETS)
+    names = [[name for name, _, _ in bucket] for bucket in layout.buckets()]
+    assert names == [["lora_A"], ["norm"], ["lora_B", "bias"]]  # 48 B; another dtype; 32 + 12 B
+    assert [len(b) for b in TensorLayout.of(weights(1.0), bucket_bytes=8).buckets()] == [1, 1, 1, 1]
+    assert len(TensorLayout.of(weights(1.0), bucket_bytes=2**20).buckets()) == 3  # the dtype still splits
+    assert TensorLayout.from_json(layout.to_json()) == layout
 
 
 def _receive(layout: TensorLayout, port: int, go, results, times: int) -> None:
@@ -52,18 +52,37 @@ def _receive(layout: TensorLayout, port: int, go, results, times: int) -> None:
     receiver = WeightReceiver(layout, backend="gloo", device="cpu", store=store)
     go.wait(60)  # busy elsewhere until the sender has long returned
     for _ in range(times):
-        results.put({name: tensor.clone() for name, tensor in receiver.receive().items()})
+        results.put(dict(receiver.receive()))
+
+
+def start_receiver(layout: TensorLayout, store, times: int, go=None):
+    context = multiprocessing.get_context("spawn")
+    if go is None:
+        go = context.Event()
+        go.set()
+    results = context.Queue()
+    process = context.Process(target=_receive, args=(layout, store.port, go, results, times), daemon=True)
+    process.start()
+    process.keep = (go, results)  # alive until the child has them (a collected Event unlinks its semaphore)
+    return process, results
+
+
+def assert_same(received: dict[str, torch.Tensor], sent: list[tuple[str, torch.Tensor]]) -> None:
+    assert list(received) == [name for name, _ in sent]
+    for name, tensor in sent:
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
 
 
 def test_gloo_sends_exact_weights_without_holding_the_sender() -> None:
-    context = multiprocessing.get_context("spawn")
+    """Staged (the rollout worker's way): send() returns while the receiver is busy elsewhere, and what it sends
+    is the weights at send(), in several buckets."""
     first, second = weights(1.0), weights(2.0)
     sent_first = [(name, tensor.clone()) for name, tensor in first]
     store = weights_store("127.0.0.1", 0, serve=True)
-    sender = WeightSender(first, backend="gloo", device="cpu", store=store)
-    go, results = context.Event(), context.Queue()
-    process = context.Process(target=_receive, args=(sender.layout, store.port, go, results, 2), daemon=True)
-    process.start()
+    layout = TensorLayout.of(first, bucket_bytes=SMALL_BUCKETS)
+    sender = WeightSender(layout, backend="gloo", device="cpu", store=store)
+    go = multiprocessing.get_context("spawn").Event()
+    process, results = start_receiver(layout, store, 2, go)
     try:
         sending = threading.Thread(target=sender.send, args=(first,))
         sending.start()
@@ -76,20 +95,31 @@ def test_gloo_sends_exact_weights_without_holding_the_sender() -> None:
         got = [results.get(timeout=60), results.get(timeout=60)]
     finally:
         process.join(30)
-    for received, sent in zip(got, (sent_first, second), strict=True):
-        assert list(received) == [name for name, _ in sent]
-        for name, tensor in sent:
-            assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+    assert_same(got[0], sent_first)
+    assert_same(got[1], second)
+
+
+def test_gloo_streams_unstaged_weights_bucket_by_bucket() -> None:
+    """Unstaged (a vLLM server's way: no copy of the whole model): the tensors are read as the buckets go."""
+    named = weights(3.0)
+    store = weights_store("127.0.0.1", 0, serve=True)
+    layout = TensorLayout.of(named, bucket_bytes=SMALL_BUCKETS)
+    sender = WeightSender(layout, backend="gloo", device="cpu", store=store, staged=False)
+    assert sender.staging is None
+    process, results = start_receiver(layout, store, 1)
+    try:
+        sender.send(named)
+        assert sender.wait(60)
+        assert_same(results.get(timeout=60), named)
+    finally:
+        process.join(30)
 
 
 def test_a_receiver_that_dies_fails_the_next_send_instead_of_hanging() -> None:
-    context = multiprocessing.get_context("spawn")
     store = weights_store("127.0.0.1", 0, serve=True)
-    sender = WeightSender(weights(1.0), backend="gloo", device="cpu", store=store)
-    go, results = context.Event(), context.Queue()
-    go.set()
-    process = context.Process(target=_receive, args=(sender.layout, store.port, go, results, 1), daemon=True)
-    process.start()
+    layout = TensorLayout.of(weights(1.0))
+    sender = WeightSender(layout, backend="gloo", device="cpu", store=store)
+    process, results = start_receiver(layout, store, 1)
     sender.send(weights(1.0))
     results.get(timeout=60)
     process.join(30)

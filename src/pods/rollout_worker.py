@@ -193,7 +193,8 @@ class AsyncRollouts:
         else:  # staged on the trainer's GPU for NCCL, in host memory for gloo
             device = trainable[0][1].device if weight_sync_backend == "nccl" else "cpu"
             store = weights_store("127.0.0.1", 0, serve=True)
-            self.sender = WeightSender(trainable, backend=weight_sync_backend, device=device, store=store)
+            layout = TensorLayout.of(trainable)
+            self.sender = WeightSender(layout, backend=weight_sync_backend, device=device, store=store)
             weights = _GroupAddress(weight_sync_backend, "127.0.0.1", store.port, self.sender.layout)
         self.channels = _Channels(context, weights, capacity=max_staleness + 1)
         self._write(model, spec.first_version, num_generations)
@@ -382,7 +383,7 @@ def _produce(
                 num_generations = int(channels.num_generations.value)
         if loaded != want:
             with torch.no_grad():
-                for name, tensor in incoming().items():
+                for name, tensor in incoming():
                     trainable[name].copy_(tensor)
             with channels.changed:
                 channels.taken.value = want
@@ -410,11 +411,11 @@ def _produce(
 def _incoming_weights(
     weights: dict[str, torch.Tensor] | _GroupAddress, trainable: dict[str, torch.Tensor]
 ) -> Any:
-    """A function that returns the published weights: the shared-memory tensors, or the next broadcast of the
-    trainer's group (received on the worker's device), after checking that they are the worker's trainable
-    ones."""
+    """A function that returns the published weights, (name, tensor) pairs: the shared-memory tensors, or the
+    next broadcast of the trainer's group (received on the worker's device), after checking that they are the
+    worker's trainable ones."""
     if isinstance(weights, dict):
-        return lambda: weights
+        return weights.items
     names = [name for name, _, _ in weights.layout.entries]
     if names != list(trainable):
         raise RolloutWorkerError(

@@ -2,16 +2,19 @@
 (TCP: on one machine or across machines), NCCL between two GPUs (device to device, no host copy).
 
 The group is stateless, with its own TCP store (:func:`weights_store`: either side may host it), not torch's
-default group, so it lives beside accelerate's group in the trainer and vLLM's in a server. Rank 0 sends, rank 1 receives, one flat buffer per dtype in a
-:class:`TensorLayout` both sides hold. :meth:`WeightSender.send` copies the weights into its staging buffers and
-returns; a background thread broadcasts them, so the trainer is held for the copy only, and a receiver that
-takes them later costs the trainer nothing. The staging buffers cost one more copy of the sent weights (the
-trainable ones: the LoRA adapter with LoRA).
+default group, so it lives beside accelerate's group in the trainer and vLLM's in a server. Rank 0 sends, rank
+1 receives, in the buckets of a :class:`TensorLayout` both sides hold (consecutive tensors of one dtype packed
+into one flat buffer of at most ``bucket_bytes``: a few large transfers, not one per tensor). A background
+thread broadcasts, so the trainer's :meth:`WeightSender.send` returns at once: with ``staged`` (the rollout
+worker) after copying the weights into staging buffers, one more copy of what is sent (the trainable weights:
+the LoRA adapter with LoRA), so that the trainer may update its own meanwhile; without (a vLLM server, which
+takes the whole merged model) one bucket at a time, so that sending costs one bucket of memory on each side.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -32,8 +35,11 @@ __all__ = [
 
 # How long one side of a transfer waits for the other (a dead peer ends a transfer at once).
 GROUP_TIMEOUT = timedelta(hours=1)
+BUCKET_BYTES = 256 * 2**20  # TRL's vLLM client streams the weights in chunks of this order too
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8)
+
+Entry = tuple[str, tuple[int, ...], torch.dtype]
 
 
 class WeightSyncError(RuntimeError):
@@ -42,39 +48,56 @@ class WeightSyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """Where each named tensor lies in the flat buffers (one per dtype), in a fixed order both sides share."""
+    """The tensors sent, in a fixed order both sides share, and the buckets they travel in."""
 
-    entries: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
-
-    @classmethod
-    def of(cls, named: list[tuple[str, torch.Tensor]]) -> TensorLayout:
-        return cls(tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in named))
-
-    def to_json(self) -> list[list[Any]]:
-        """The layout as JSON data (to a vLLM server): [name, shape, dtype name] per tensor."""
-        return [[name, list(shape), str(dtype).removeprefix("torch.")] for name, shape, dtype in self.entries]
+    entries: tuple[Entry, ...]
+    bucket_bytes: int = BUCKET_BYTES
 
     @classmethod
-    def from_json(cls, entries: list[list[Any]]) -> TensorLayout:
+    def of(cls, named: list[tuple[str, torch.Tensor]], bucket_bytes: int | None = None) -> TensorLayout:
+        """The layout of ``named``, in buckets of ``bucket_bytes`` (None: :data:`BUCKET_BYTES`)."""
+        entries = tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in named)
+        return cls(entries, bucket_bytes or BUCKET_BYTES)
+
+    def to_json(self) -> dict[str, Any]:
+        """The layout as JSON data (to a vLLM server)."""
+        entries = [
+            [name, list(shape), str(dtype).removeprefix("torch.")] for name, shape, dtype in self.entries
+        ]
+        return {"entries": entries, "bucket_bytes": self.bucket_bytes}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TensorLayout:
         dtypes = {str(dtype).removeprefix("torch."): dtype for dtype in _DTYPES}
-        return cls(tuple((name, tuple(shape), dtypes[dtype]) for name, shape, dtype in entries))
+        entries = tuple((name, tuple(shape), dtypes[dtype]) for name, shape, dtype in data["entries"])
+        return cls(entries, int(data["bucket_bytes"]))
 
-    def buffers(self, device: torch.device | str) -> dict[torch.dtype, torch.Tensor]:
-        """Empty flat buffers on ``device``, one per dtype, that hold every tensor of the layout."""
-        sizes: dict[torch.dtype, int] = {}
-        for _, shape, dtype in self.entries:
-            sizes[dtype] = sizes.get(dtype, 0) + _numel(shape)
-        return {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()}
+    def buckets(self) -> list[tuple[Entry, ...]]:
+        """Consecutive entries of one dtype, at most ``bucket_bytes`` each (a larger tensor travels alone)."""
+        buckets: list[list[Entry]] = []
+        size = 0
+        for entry in self.entries:
+            nbytes = _numel(entry[1]) * entry[2].itemsize
+            if not buckets or buckets[-1][0][2] != entry[2] or size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(entry)
+            size += nbytes
+        return [tuple(bucket) for bucket in buckets]
 
-    def views(self, buffers: dict[torch.dtype, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each tensor of the layout as a view into ``buffers`` (writing a view writes the buffer)."""
-        offsets = dict.fromkeys(buffers, 0)
-        views = {}
-        for name, shape, dtype in self.entries:
-            start, size = offsets[dtype], _numel(shape)
-            views[name] = buffers[dtype][start : start + size].view(shape)
-            offsets[dtype] = start + size
-        return views
+
+def _bucket_buffer(bucket: tuple[Entry, ...], device: torch.device) -> torch.Tensor:
+    return torch.empty(sum(_numel(shape) for _, shape, _ in bucket), dtype=bucket[0][2], device=device)
+
+
+def _bucket_views(bucket: tuple[Entry, ...], buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Each tensor of ``bucket`` as a view into its flat ``buffer`` (writing a view writes the buffer)."""
+    views, start = [], 0
+    for name, shape, _ in bucket:
+        size = _numel(shape)
+        views.append((name, buffer[start : start + size].view(shape)))
+        start += size
+    return views
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -104,51 +127,65 @@ def _open_group(backend: str, store: dist.Store, rank: int, device: torch.device
     return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
 
 
-def _broadcast(group: Any, buffers: dict[torch.dtype, torch.Tensor]) -> None:
+def _broadcast(group: Any, buffer: torch.Tensor) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    for buffer in buffers.values():
-        group.broadcast([buffer], options).wait()
-    for buffer in buffers.values():
-        if buffer.is_cuda:  # the transfer ran on NCCL's stream: done before the buffers are read or reused
-            torch.cuda.synchronize(buffer.device)
+    group.broadcast([buffer], options).wait()
+    if buffer.is_cuda:  # the transfer ran on NCCL's stream: done before the buffer is read or reused
+        torch.cuda.synchronize(buffer.device)
 
 
 class WeightSender:
-    """The trainer's side (rank 0): copies the weights into staging buffers on ``device`` and broadcasts them
-    from a background thread, to the receiver that meets it at ``store``."""
+    """The trainer's side (rank 0): broadcasts the weights of ``layout`` from a background thread, bucket by
+    bucket, to the receiver that meets it at ``store``; ``staged``: out of staging buffers on ``device`` that
+    :meth:`send` fills (see the module's text)."""
 
     def __init__(
         self,
-        named: list[tuple[str, torch.Tensor]],
+        layout: TensorLayout,
         *,
         backend: str,
         device: torch.device | str,
         store: dist.Store,
+        staged: bool = True,
     ) -> None:
-        self.backend, self.device, self.store = backend, torch.device(device), store
-        self.layout = TensorLayout.of(named)
-        self.staging = self.layout.buffers(self.device)
-        self._views = self.layout.views(self.staging)
+        self.backend, self.device, self.store, self.layout = backend, torch.device(device), store, layout
+        self.buckets = layout.buckets()
+        self.staging = [_bucket_buffer(bucket, self.device) for bucket in self.buckets] if staged else None
         self._group: Any = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def send(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy ``named`` (the layout's tensors) into the staging buffers and broadcast them in the background,
-        after the previous broadcast has ended (it has once the receiver holds it)."""
+        """Send ``named`` (the layout's tensors, in its order) once the previous broadcast has ended (it has once
+        the receiver holds it). Staged, ``named`` is copied before this returns; else it is read as the buckets
+        go and must not change until :meth:`wait` says the broadcast ended."""
         self.wait()
-        with torch.no_grad():
-            for name, tensor in named:
-                self._views[name].copy_(tensor.detach())
-        self._thread = threading.Thread(target=self._broadcast, name="pods-weight-sender", daemon=True)
+        tensors = dict(named)
+        if self.staging is not None:
+            with torch.no_grad():
+                for bucket, buffer in zip(self.buckets, self.staging, strict=True):
+                    for name, view in _bucket_views(bucket, buffer):
+                        view.copy_(tensors[name].detach())
+            tensors = {}
+        self._thread = threading.Thread(
+            target=self._broadcast, args=(tensors,), name="pods-weight-sender", daemon=True
+        )
         self._thread.start()
 
-    def _broadcast(self) -> None:
+    def _broadcast(self, tensors: dict[str, torch.Tensor]) -> None:
         try:
             if self._group is None:
                 self._group = _open_group(self.backend, self.store, 0, self.device)
-            _broadcast(self._group, self.staging)
+            for index, bucket in enumerate(self.buckets):
+                if self.staging is not None:
+                    buffer = self.staging[index]
+                else:  # packed here, one bucket of memory at a time
+                    buffer = _bucket_buffer(bucket, self.device)
+                    with torch.no_grad():
+                        for name, view in _bucket_views(bucket, buffer):
+                            view.copy_(tensors[name].detach())
+                _broadcast(self._group, buffer)
         except BaseException as error:  # raised in the trainer's thread by the next wait()
             self._error = error
 
@@ -168,25 +205,30 @@ class WeightSender:
 
 class WeightReceiver:
     """A rollout process's side (rank 1): joins the sender's group at ``store`` and receives each broadcast of
-    ``layout`` into its own buffers on ``device``."""
+    ``layout`` on ``device``, bucket by bucket."""
 
     def __init__(
         self, layout: TensorLayout, *, backend: str, device: torch.device | str, store: dist.Store
     ) -> None:
         self.backend, self.device, self.store, self.layout = backend, torch.device(device), store, layout
-        self.buffers = layout.buffers(self.device)
-        self.views = layout.views(self.buffers)
+        self.buckets = layout.buckets()
         self._group: Any = None
 
-    def receive(self) -> dict[str, torch.Tensor]:
-        """The next weights the sender broadcasts (waits for them), as views into this receiver's buffers."""
+    def receive(self, layout: TensorLayout | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The next weights the sender broadcasts, (name, tensor) in the layout's order (``layout`` if it
+        changed), each bucket received as the iteration reaches it (into a buffer of its own: the tensors stay
+        valid). Iterate to the end: the sender waits for every bucket."""
+        if layout is not None and layout != self.layout:
+            self.layout, self.buckets = layout, layout.buckets()
         try:
             if self._group is None:
                 self._group = _open_group(self.backend, self.store, 1, self.device)
-            _broadcast(self._group, self.buffers)
+            for bucket in self.buckets:
+                buffer = _bucket_buffer(bucket, self.device)
+                _broadcast(self._group, buffer)
+                yield from _bucket_views(bucket, buffer)
         except Exception as error:
             raise WeightSyncError(f"receiving the weights over {self.backend} failed: {error}") from None
-        return self.views
 
 
 def resolve_placement(

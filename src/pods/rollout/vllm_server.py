@@ -97,14 +97,16 @@ class WeightLoader:
         from pods.weight_sync import TensorLayout, WeightReceiver
 
         expected = TensorLayout.from_json(json.loads(layout))
-        receiver = getattr(self, "_pods_receiver", None)
-        if receiver is None or receiver.layout != expected:
+        if getattr(self, "_pods_receiver", None) is None:
             device = "cpu" if backend == "gloo" else self.device  # type: ignore[attr-defined]
-            receiver = WeightReceiver(expected, backend=backend, device=device, store=self._pods_store)
-            self._pods_receiver = receiver
-        weights = receiver.receive()
-        self.model_runner.reload_weights(weights_iterator=iter(weights.items()))  # type: ignore[attr-defined]
-        return len(weights)
+            self._pods_receiver = WeightReceiver(
+                expected, backend=backend, device=device, store=self._pods_store
+            )
+        weights = self._pods_receiver.receive(expected)
+        self.model_runner.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+        for _ in weights:  # every bucket, whatever the loader read: the sender waits for all of them
+            pass
+        return len(expected.entries)
 
 
 def serve_command(folder: str, host: str, port: int, *, dtype: str, max_model_length: int | None, seed: int,
@@ -302,7 +304,7 @@ class VLLMServerEngine:
         to receive and load them."""
         from urllib.parse import urlparse
 
-        from pods.weight_sync import WeightSender, WeightSyncError, weights_store
+        from pods.weight_sync import TensorLayout, WeightSender, WeightSyncError, weights_store
 
         if self.sender is None:
             [port] = self._post("/collective_rpc", {"method": "pods_open_weights_store", "args": []})[
@@ -310,7 +312,10 @@ class VLLMServerEngine:
             ]
             store = weights_store(urlparse(self.base_url).hostname or "127.0.0.1", int(port), serve=False)
             device = named[0][1].device
-            self.sender = WeightSender(named, backend=self.weight_sync, device=device, store=store)
+            layout = TensorLayout.of(named)
+            self.sender = WeightSender(
+                layout, backend=self.weight_sync, device=device, store=store, staged=False
+            )
         self.sender.send(named)
         layout = json.dumps(self.sender.layout.to_json())
         self._post("/collective_rpc", {"method": "pods_receive_weights", "args": [self.weight_sync, layout]})
