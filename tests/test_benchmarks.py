@@ -28,6 +28,7 @@ FIGURES = {  # a line of figures each script prints at --smoke size
     "trl_kept_logps.py": r"^  saved: -?[\d.]+ s per generation",
     "update_memory.py": r"^\| 64 \| 8 \| 8 x 4 \| 4\.0 \| [\d.]+ \|",
     "vs_trl.py": r"^ratio pods / TRL = [\d.]+",
+    "weight_sync.py": r"^\| 4 MiB \| gloo \| [\d.]+ \| [\d.]+ \|$",
 }
 
 
