@@ -329,3 +329,96 @@ def test_timeline_panels_name_runs_that_share_a_folder_name() -> None:
 
     runs = [Path("x/pods8/seed0"), Path("x/pods8_async/seed0"), Path("x/other")]
     assert [_run_label(path, runs) for path in runs] == ["pods8/seed0", "pods8_async/seed0", "other"]
+
+
+@pytest.mark.slow
+def test_two_trainer_processes_each_with_a_worker_resume_exactly(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """accelerate launch, 2 CPU processes, each with its own rollout worker; the workers agree on the prompt
+    filter's rounds through their own gloo group. The checkpoint at step 2 holds each process's batch in flight;
+    resumed from it, the run trains what the uninterrupted one trains, on both processes."""
+    import shutil
+
+    from test_trainer import two_process_launch
+
+    from pods.checkpoint import checkpoint_dir
+
+    settings = {
+        **ASYNC,
+        "max_steps": 4,
+        "save_every_steps": 2,
+        "prompt_filter": "nonzero_std",
+        "max_num_gen_batches": 2,
+    }
+    straight = tmp_path / "straight"
+    command, env = two_process_launch(tiny_model_dir, straight, settings)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = checkpoint_dir(straight / "checkpoints", 2)
+    assert [(b.step, b.version) for b in load_in_flight(checkpoint, 0)] == [(2, 1)]
+    assert [(b.step, b.version) for b in load_in_flight(checkpoint, 1)] == [(2, 1)]
+    rows = read_jsonl(straight / "metrics.jsonl")
+    assert [row["pods/async/staleness_max"] for row in rows] == [0, 1, 1, 1]
+    assert rows[0]["sampling/sampling_logp_difference/mean"] < 1e-4  # each worker had its trainer's weights
+    updates = [json.loads((straight / f"record-rank{r}.json").read_text())["updates"] for r in (0, 1)]
+    assert updates[0][0]["texts"] != updates[1][0]["texts"]  # each process's own prompts
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(checkpoint_dir(resumed / "checkpoints", 4))
+    command, env = two_process_launch(tiny_model_dir, resumed, {**settings, "resume_from": "auto"})
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        a, b = (torch.load(folder / f"weights-rank{rank}.pt") for folder in (straight, resumed))
+        assert all(torch.equal(a[k], b[k]) for k in a), rank
+    assert learning_rows(straight / "metrics.jsonl") == learning_rows(resumed / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_a_failing_worker_of_one_trainer_process_ends_both_with_its_error(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Process 1's worker fails (its reward function raises): both processes stop at the same step with a
+    checkpoint, process 1's error named on both, and neither waits for the other."""
+    from test_trainer import two_process_launch
+
+    command, env = two_process_launch(tiny_model_dir, tmp_path, {**ASYNC, "max_steps": 4})
+    env["TINY_RUN_REWARD"] = "fails_on_rank_one"
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode != 0 and time.monotonic() - started < 120
+    assert "process 1: " in result.stderr and "this reward fails on rank 1" in result.stderr, result.stderr[
+        -3000:
+    ]
+    assert "resume_from: auto" in result.stderr
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")] == [
+        "step-0000000"
+    ]
+
+
+def test_async_with_several_processes_refuses_what_cannot_work() -> None:
+    from types import SimpleNamespace
+
+    from pods.rollout_worker import require_async_with_several_processes
+
+    def accelerator(kind: str = "MULTI_GPU", zero_stage: int | None = None):
+        plugin = (
+            None
+            if zero_stage is None
+            else SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": zero_stage}})
+        )
+        return SimpleNamespace(
+            state=SimpleNamespace(deepspeed_plugin=plugin), distributed_type=SimpleNamespace(value=kind)
+        )
+
+    config = TrainConfig.from_dict({"async_generation": True})
+    require_async_with_several_processes(accelerator(), config)  # DDP: each process holds the whole weights
+    require_async_with_several_processes(accelerator("DEEPSPEED", 2), config)
+    for sharded in (accelerator("DEEPSPEED", 3), accelerator("FSDP")):
+        with pytest.raises(ConfigError, match="use DDP or ZeRO-1/2"):
+            require_async_with_several_processes(sharded, config)
+    unbounded = TrainConfig.from_dict({"prompt_filter": "nonzero_std", "max_num_gen_batches": 0})
+    with pytest.raises(ConfigError, match="set max_num_gen_batches to 1 or more"):
+        require_async_with_several_processes(accelerator(), unbounded)

@@ -6,6 +6,7 @@ asynchronous trainer with a server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -69,6 +71,22 @@ def servers_started_by(tag: str) -> list[int]:
         except (OSError, ValueError):
             continue
     return pids
+
+
+def watch_servers(tag: str, process: subprocess.Popen) -> dict[int, int]:
+    """Every vLLM server process of a run tagged ``tag`` (pid: parent pid), polled twice a second from a thread
+    while ``process`` runs."""
+    seen: dict[int, int] = {}
+
+    def poll() -> None:
+        while process.poll() is None:
+            for pid in servers_started_by(tag):
+                with contextlib.suppress(OSError, ValueError):
+                    seen[pid] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            time.sleep(0.5)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return seen
 
 
 def alive(pid: int) -> bool:
@@ -184,32 +202,43 @@ def test_a_server_given_by_url_that_restarts_gets_the_weights_again(
         server.wait()
 
 
-def test_async_training_with_a_vllm_server(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """`pods train`'s asynchronous mode with the worker sampling from a server it starts: every step trains,
-    staleness 1 after the first, the sampler's log-probs within rounding of the trainer's; no server left."""
-    script = Path(__file__).parent / "scripts" / "tiny_run.py"
+def test_async_training_with_two_processes_and_one_vllm_server(
+    tiny_vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    """`pods train`'s asynchronous mode under ``accelerate launch`` (2 CPU processes): each process's rollout
+    worker samples from the one server worker 0 starts (they share it through their own group); every step
+    trains, staleness 1 after the first, the sampler's log-probs within rounding of the trainer's; the two
+    processes keep identical weights; no server left."""
+    from pods.metrics import read_jsonl
+
     settings = {
         "async_generation": True,
+        "rollout_worker_threads": 1,
+        "torch_threads": 1,
         "rollout_engine": "vllm",
         "vllm_mode": "server",
         "vllm_cpu_kv_cache_gb": 0.25,
-        "model": "embedded",
-        "max_completion_length": 16,
         "max_steps": 4,
     }
-    from pods.metrics import read_jsonl
-
-    result = subprocess.run(
-        [sys.executable, str(script), "embedded", str(tmp_path), json.dumps(settings)],
-        capture_output=True,
+    command, env = two_process_launch(tiny_vllm_model_dir, tmp_path, settings)
+    launch = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PODS_TEST_RUN": tmp_path.name},
+        env={**env, "PODS_TEST_RUN": tmp_path.name},
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    seen = watch_servers(tmp_path.name, launch)
+    _, stderr = launch.communicate(timeout=600)
+    assert launch.returncode == 0, stderr[-3000:]
+    servers = {pid for pid, parent in seen.items() if parent not in seen}  # not a server's own children
+    assert len(servers) == 1, f"servers started: {sorted(seen)}"  # worker 0's, shared by worker 1
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [row["pods/async/staleness_max"] for row in rows] == [0, 1, 1, 1]
     assert all(abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 0.05 for row in rows)
+    assert rows[0]["sampling/sampling_logp_difference/mean"] < 1e-4  # the server had the trainer's weights
+    rank0, rank1 = (torch.load(tmp_path / f"weights-rank{rank}.pt") for rank in (0, 1))
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
     assert servers_started_by(tmp_path.name) == [], "a vLLM server outlived the run"
 
 

@@ -14,7 +14,7 @@ import torch
 
 from pods.config import TrainConfig
 from pods.errors import ConfigError
-from pods.rollout_worker import visible_gpu
+from pods.rollout_worker import share_of_cores, visible_gpu
 from pods.weight_sync import (
     TensorLayout,
     WeightReceiver,
@@ -147,6 +147,23 @@ def test_placement_of_the_worker_and_its_weights(
     device: str, backend: str, trainer: str, gpus: int, expected: tuple[str, str]
 ) -> None:
     assert resolve_placement(device, backend, trainer, gpus) == expected
+
+
+def test_the_workers_of_several_trainer_processes_get_the_gpus_no_trainer_uses() -> None:
+    def auto(trainer: str, index: int, processes: int, gpus: int) -> tuple[str, str]:
+        return resolve_placement("auto", "auto", trainer, gpus, local_index=index, local_processes=processes)
+
+    assert [auto(f"cuda:{i}", i, 4, 8) for i in range(4)] == [(f"cuda:{4 + i}", "nccl") for i in range(4)]
+    assert auto("cuda:1", 1, 2, 3) == ("cuda:1", "shared_memory")  # one free GPU for two workers: beside
+    assert auto("cpu", 1, 2, 0) == ("cpu", "shared_memory")
+
+
+def test_each_trainer_process_and_its_worker_get_a_share_of_the_cores() -> None:
+    cores = [0, 1, 2, 3, 4, 5, 6, 7]
+    assert [share_of_cores(cores, i, 2) for i in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert share_of_cores([0, 1], 1, 2) == [1]
+    assert share_of_cores([0], 1, 2) == [0]  # fewer cores than processes: all of them
+    assert share_of_cores(cores, 0, 1) == cores
 
 
 @pytest.mark.parametrize(

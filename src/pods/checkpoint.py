@@ -125,11 +125,13 @@ def save_checkpoint(
     export: Callable[[Path], None] | None = None,
     scheduler: Any = None,
     base_model: dict[str, Any] | None = None,
+    each_process: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save model, optimizer, scheduler, RNG states and ``state`` atomically and verifiably as ``root/step-N``.
 
     Every process must call this (each saves its own RNG state). ``export(folder)``, if given, is called on
-    the main process to also write a ready-to-use model (``save_pretrained``) inside. ``base_model`` (the
+    the main process to also write a ready-to-use model (``save_pretrained``) inside; ``each_process(folder)``
+    on every process, to write its own files into the checkpoint's folder. ``base_model`` (the
     frozen base of an adapter-only checkpoint, see :func:`adapter_only_checkpoints`) goes into the manifest.
     A failure on any process raises :class:`CheckpointWriteError` on every process, after removing the
     partial folder.
@@ -167,7 +169,9 @@ def save_checkpoint(
         attempt(prepare)
     accelerator.wait_for_everyone()
     attempt(lambda: accelerator.save_state(str(partial)))
-    accelerator.wait_for_everyone()  # every process's RNG file is in place before the manifest
+    if each_process is not None:
+        attempt(lambda: each_process(partial))
+    accelerator.wait_for_everyone()  # every process's files are in place before the manifest
     if main:
         attempt(finish)
     failed = len(failure)

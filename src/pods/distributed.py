@@ -41,6 +41,18 @@ def close_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
+def local_processes(accelerator: Any) -> int:
+    """The processes of this launch on this machine (torchrun's LOCAL_WORLD_SIZE; all of them without it)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+
+
+def weights_are_sharded(accelerator: Any) -> bool:
+    """Whether each process holds a shard of every parameter (DeepSpeed ZeRO-3, FSDP), not the whole weights."""
+    plugin = accelerator.state.deepspeed_plugin
+    zero3 = plugin is not None and plugin.deepspeed_config.get("zero_optimization", {}).get("stage") == 3
+    return zero3 or accelerator.distributed_type.value == "FSDP"
+
+
 def gather(accelerator: Any, values: torch.Tensor) -> torch.Tensor:
     """Every process's ``values`` (equal shapes), concatenated along the first dimension, on ``values``' device."""
     if accelerator.num_processes == 1:
@@ -49,9 +61,12 @@ def gather(accelerator: Any, values: torch.Tensor) -> torch.Tensor:
 
 
 def every_process(accelerator: Any, value: Any) -> list[Any]:
-    """Every process's ``value`` (any picklable object), in process order, on each process."""
+    """Every process's ``value`` (any picklable object), in process order, on each process (through the
+    accelerator's own ``every_process`` where it has one: the rollout workers' :class:`GroupCollectives`)."""
     if accelerator.num_processes == 1:
         return [value]
+    if hasattr(accelerator, "every_process"):
+        return accelerator.every_process(value)
     from accelerate.utils import gather_object
 
     return gather_object([value])

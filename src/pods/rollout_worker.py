@@ -48,9 +48,12 @@ __all__ = [
     "async_metrics",
     "check_picklable",
     "fresh_in_flight",
+    "in_flight_file",
     "load_in_flight",
+    "require_async_with_several_processes",
     "sampler_version",
     "save_in_flight",
+    "share_of_cores",
     "split_cores",
     "visible_gpu",
     "vllm_options",
@@ -114,6 +117,34 @@ def async_metrics(batch: ProducedBatch) -> dict[str, Any]:
     return metrics
 
 
+def require_async_with_several_processes(accelerator: Any, config: Any) -> None:
+    """Async mode with several trainer processes (each with its own rollout worker) needs each process to hold
+    the whole trainable weights, and the prompt filter's rounds bounded (a stop must reach every process at the
+    same step); else a :class:`~pods.errors.ConfigError` naming the fix."""
+    from pods.distributed import weights_are_sharded
+
+    if weights_are_sharded(accelerator):
+        raise ConfigError(
+            "async_generation with several processes sends each process's weights to its rollout worker, and "
+            "under DeepSpeed ZeRO-3 or FSDP each process holds a shard only; use DDP or ZeRO-1/2, or set "
+            "async_generation: false"
+        )
+    if config.prompt_filter != "none" and config.max_num_gen_batches == 0:
+        raise ConfigError(
+            "async_generation with several processes needs the prompt filter's rounds bounded (a stop must reach "
+            "every process at the same step): set max_num_gen_batches to 1 or more"
+        )
+
+
+def share_of_cores(cores: list[int], local_index: int, local_processes: int) -> list[int]:
+    """The cores of one of ``local_processes`` trainer processes on this machine (with its worker): an equal
+    share of ``cores`` each, or all of them when there are fewer cores than processes."""
+    if local_processes <= 1 or len(cores) < local_processes:
+        return list(cores)
+    size = len(cores) // local_processes
+    return list(cores[local_index * size : (local_index + 1) * size])
+
+
 def split_cores(cores: list[int], worker_threads: int | None) -> tuple[list[int], list[int]]:
     """(trainer's cores, worker's cores) out of the cores this process may use: the worker gets
     ``worker_threads`` of them (default half, at least 1), the trainer the rest (at least 1; with one core
@@ -138,6 +169,10 @@ class WorkerSpec:
     start_state: ProducerState
     first_version: int  # the weights version the trainer starts from
     device: str = "cpu"  # where the worker's model and engine run (cuda:N: the trainer's numbering)
+    process_index: int = 0  # with several trainer processes: its trainer's, and the workers' group's store
+    num_processes: int = 1
+    group_host: str = "127.0.0.1"
+    group_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -344,32 +379,60 @@ def _produce_forever(spec: WorkerSpec, channels: _Channels) -> None:
     from pods.rollout import build_engine
 
     config = TrainConfig.from_dict(spec.config)
+    workers = _workers(spec)
     policy = load_policy(config, _local_device(spec.device))
     model = policy.model.eval()
+    options = vllm_options(config, spec.cores)
+    if workers.num_processes > 1 and config.vllm_mode == "server":  # one server for every worker
+        from pods.rollout.vllm_server import SharedServer
+
+        options["share"] = SharedServer(workers.process_index == 0, workers.every_process)
     engine = build_engine(
         config.rollout_engine,
         model,
         policy.tokenizer,
         generation_batch_size=config.generation_batch_size,
         max_prompt_length=config.max_prompt_length,
-        vllm_options=vllm_options(config, spec.cores),
+        vllm_options=options,
     )
     engine = BehaviourLogprobs(engine, model, config)
     channels.ready.set()
     try:
-        _produce(spec, channels, config, model, engine, policy.tokenizer)
+        _produce(spec, channels, config, model, engine, policy.tokenizer, workers)
     finally:
         engine.close()  # a vLLM server pods started stops with the worker
 
 
+def _workers(spec: WorkerSpec) -> Any:
+    """What the producer reads of an accelerator: this worker alone, or its rank among the workers of several
+    trainer processes, which meet in a gloo group (the prompt filter's rounds and GRESO's history are agreed
+    across processes, as the trainers agree on them in sync mode)."""
+    from pods.process_groups import GroupCollectives, open_group, tcp_store
+    from pods.producer import OneProcess
+
+    if spec.num_processes == 1:
+        return OneProcess()
+    store = tcp_store(spec.group_host, spec.group_port, spec.num_processes, serve=False)
+    group = open_group("gloo", store, spec.process_index, spec.num_processes)
+    return GroupCollectives(group, spec.process_index, spec.num_processes)
+
+
 def _produce(
-    spec: WorkerSpec, channels: _Channels, config: Any, model: Any, engine: Any, tokenizer: Any
+    spec: WorkerSpec,
+    channels: _Channels,
+    config: Any,
+    model: Any,
+    engine: Any,
+    tokenizer: Any,
+    workers: Any,
 ) -> None:
     from pods.producer import Producer, seed_step
 
     trainable = dict(_trainable(model))
     incoming = _incoming_weights(channels.weights, trainable)
-    producer = Producer(config, engine, tokenizer, spec.rows, reward_funcs=spec.reward_funcs)
+    producer = Producer(
+        config, engine, tokenizer, spec.rows, reward_funcs=spec.reward_funcs, accelerator=workers
+    )
     step, state, loaded = spec.start_step, spec.start_state, None
     while not channels.stop.is_set():
         want = sampler_version(step, config.max_staleness, config.weight_sync_steps, spec.first_version)
@@ -392,7 +455,7 @@ def _produce(
         if loaded != want:
             engine.sync_weights(model)
             loaded = want
-        seed_step(config.seed, step, 0)
+        seed_step(config.seed, step, spec.process_index)
         timer = StepTimer()
         sampled = producer.sample(state, step, num_generations, timer)
         after, skip_metrics = producer.advance(state, sampled)
@@ -527,14 +590,21 @@ def _local_device(device: str) -> torch.device:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def save_in_flight(folder: Path, batches: list[ProducedBatch]) -> None:
-    """Write the batches a checkpoint must hold (tensors and plain data only, read back without unpickling code)."""
-    torch.save([_plain(batch) for batch in batches], folder / IN_FLIGHT_FILE)
+def in_flight_file(process_index: int = 0) -> str:
+    """The file of a checkpoint that holds one trainer process's batches in flight."""
+    return IN_FLIGHT_FILE if process_index == 0 else IN_FLIGHT_FILE.replace(".pt", f".{process_index}.pt")
 
 
-def load_in_flight(folder: Path) -> list[ProducedBatch]:
-    """The batches :func:`save_in_flight` wrote into a checkpoint folder ([] when there are none)."""
-    path = folder / IN_FLIGHT_FILE
+def save_in_flight(folder: Path, batches: list[ProducedBatch], process_index: int = 0) -> None:
+    """Write the batches a checkpoint must hold for one trainer process (tensors and plain data only, read back
+    without unpickling code); nothing when there are none."""
+    if batches:
+        torch.save([_plain(batch) for batch in batches], folder / in_flight_file(process_index))
+
+
+def load_in_flight(folder: Path, process_index: int = 0) -> list[ProducedBatch]:
+    """The batches :func:`save_in_flight` wrote into a checkpoint folder for a process ([] when there are none)."""
+    path = folder / in_flight_file(process_index)
     if not path.is_file():
         return []
     try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -52,6 +53,7 @@ from pods.distributed import (
     every_process,
     exported_state_dict,
     gather,
+    local_processes,
     require_every_launched_process,
     synced_any,
     synced_max,
@@ -81,7 +83,9 @@ from pods.rollout_worker import (
     check_picklable,
     fresh_in_flight,
     load_in_flight,
+    require_async_with_several_processes,
     save_in_flight,
+    share_of_cores,
     split_cores,
     vllm_options,
 )
@@ -162,14 +166,16 @@ class PODSTrainer:
         acc = self.accelerator
         require_every_launched_process(acc)
         if cfg.async_generation and acc.num_processes > 1:
-            raise ConfigError(
-                "async_generation runs one trainer process with one rollout worker; with several processes "
-                "(accelerate launch) set async_generation: false"
-            )
+            require_async_with_several_processes(acc, cfg)
         # async: where the rollout worker runs and how the weights reach it (an impossible choice fails here)
         self.worker_device, self.weight_sync_backend = (
             resolve_placement(
-                cfg.rollout_worker_device, cfg.weight_sync_backend, acc.device, torch.cuda.device_count()
+                cfg.rollout_worker_device,
+                cfg.weight_sync_backend,
+                acc.device,
+                torch.cuda.device_count(),
+                local_index=acc.local_process_index,
+                local_processes=local_processes(acc),
             )
             if cfg.async_generation
             else ("", "")
@@ -327,14 +333,7 @@ class PODSTrainer:
         """Stages 0-2 of this step: skip prompts, generate n per prompt, score (with a prompt filter, in rounds);
         taken from the rollout worker with ``async_generation``, else run here."""
         if self.rollouts is not None:
-            # The weights of the last update go to the worker here, not at the end of that step: it samples
-            # with them while this step updates, never during an evaluation or a checkpoint (off the clock).
-            n = self._num_generations()
-            with timer("sync"):
-                self.rollouts.publish(self.accelerator.unwrap_model(self.model), state.step, n)
-            unbounded = self.config.prompt_filter != "none" and self.config.max_num_gen_batches == 0
-            with timer("wait_for_rollouts"):  # a step is only abandoned where its rounds may never end
-                return self.rollouts.take(state.step, should_stop=stop.agreed if unbounded else None)
+            return self._take_from_the_worker(state, timer, stop)
         self._seed_step(state.step)
         n = self._num_generations()
         producing = ProducerState.of(state, self.config.prompts_per_step)
@@ -387,6 +386,44 @@ class PODSTrainer:
             self._auto_step(state, everything.rewards, everything.per_function, seconds)
         return metrics
 
+    def _take_from_the_worker(
+        self, state: TrainerState, timer: StepTimer, stop: StopRequests
+    ) -> ProducedBatch | None:
+        """Publish the weights the schedule needs, then take this step's batch from the rollout worker. With
+        several trainer processes a failing worker stops every process at this step (each has its own worker)."""
+        acc = self.accelerator
+        unbounded = self.config.prompt_filter != "none" and self.config.max_num_gen_batches == 0
+
+        def take() -> ProducedBatch | None:
+            # The weights of the last update go to the worker here, not at the end of that step: it samples
+            # with them while this step updates, never during an evaluation or a checkpoint (off the clock).
+            with timer("sync"):
+                self.rollouts.publish(acc.unwrap_model(self.model), state.step, self._num_generations())
+            with timer("wait_for_rollouts"):  # a step is only abandoned where its rounds may never end
+                return self.rollouts.take(state.step, should_stop=stop.agreed if unbounded else None)
+
+        return self._on_every_process(take)
+
+    def _on_every_process(self, action: Callable[[], Any]) -> Any:
+        """Run ``action`` (a call on this process's rollout worker); with several trainer processes, a failure on
+        any of them is raised on all of them together, each worker's in one line, so that none waits for
+        another in a collective."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return action()
+        failure, result = None, None
+        try:
+            result = action()
+        except Exception as error:
+            failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        reports = every_process(acc, failure)
+        if any(reports):
+            raise RolloutWorkerError(
+                "rollout workers failed: "
+                + "; ".join(f"process {rank}: {report}" for rank, report in enumerate(reports) if report)
+            )
+        return result
+
     @contextlib.contextmanager
     def _checkpoint_if_the_worker_fails(self, state: TrainerState):
         """A rollout worker that died or failed ends the run with its error and a checkpoint of the last completed
@@ -410,8 +447,11 @@ class PODSTrainer:
             yield
             return
         check_picklable(self.reward_funcs)
+        acc = self.accelerator
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        trainer_cores, worker_cores = split_cores(cores, cfg.rollout_worker_threads)
+        mine = share_of_cores(cores, acc.local_process_index, local_processes(acc))
+        trainer_cores, worker_cores = split_cores(mine, cfg.rollout_worker_threads)
+        group_host, group_port = self._workers_store()
         threads = torch.get_num_threads()
         spec = WorkerSpec(
             config=cfg.to_dict(),
@@ -425,6 +465,10 @@ class PODSTrainer:
             else ProducerState.of(state, cfg.prompts_per_step),
             first_version=state.step,
             device=self.worker_device,
+            process_index=acc.process_index,
+            num_processes=acc.num_processes,
+            group_host=group_host,
+            group_port=group_port,
         )
         try:
             if trainer_cores:
@@ -439,15 +483,31 @@ class PODSTrainer:
                 pending=in_flight,
                 weight_sync_backend=self.weight_sync_backend,
             )
-            self.rollouts.wait_until_ready()
+            self._on_every_process(self.rollouts.wait_until_ready)
             yield
         finally:
             if self.rollouts is not None:
                 self.rollouts.close()
                 self.rollouts = None
+            self._workers_store_server = None  # where the workers of several processes met
             if cores:
                 os.sched_setaffinity(0, cores)
             torch.set_num_threads(threads)
+
+    def _workers_store(self) -> tuple[str, int]:
+        """With several trainer processes, where their rollout workers meet (a TCP store the main process serves,
+        on the launch's MASTER_ADDR); unused with one."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return "127.0.0.1", 0
+        from pods.process_groups import tcp_store
+
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = 0
+        if acc.is_main_process:
+            self._workers_store_server = tcp_store(host, 0, acc.num_processes, serve=True)
+            port = self._workers_store_server.port
+        return host, every_process(acc, port)[0]
 
     @contextlib.contextmanager
     def _trackers(self):
@@ -685,26 +745,19 @@ class PODSTrainer:
             self.checkpoint_root,
             state,
             self.config.save_total_limit,
-            export=lambda folder: self._export(folder, weights, in_flight),
+            export=lambda folder: self._export(folder, weights),
             scheduler=self.scheduler,
             base_model=self.base_model,
+            each_process=lambda folder: save_in_flight(folder, in_flight, self.accelerator.process_index),
         )
         self._saved = (state.step, folder)
         return folder
 
-    def _export(
-        self,
-        folder: Path,
-        weights: dict[str, torch.Tensor] | None = None,
-        in_flight: list[ProducedBatch] | None = None,
-    ) -> None:
+    def _export(self, folder: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
         """A ready-to-use copy (full model or LoRA adapter, plus tokenizer) for ``pods eval``; ``weights``
-        are the gathered ones under ZeRO-3 or FSDP2 (peft keeps the adapter's out of a full state dict itself).
-        With a rollout worker, the checkpoint also holds the batches in flight its weights cannot sample again."""
+        are the gathered ones under ZeRO-3 or FSDP2 (peft keeps the adapter's out of a full state dict itself)."""
         self.accelerator.unwrap_model(self.model).save_pretrained(folder, state_dict=weights)
         self.tokenizer.save_pretrained(folder)
-        if in_flight:
-            save_in_flight(folder.parent, in_flight)
 
     def _save_due(self, state: TrainerState) -> bool:
         cfg = self.config
@@ -735,7 +788,9 @@ class PODSTrainer:
             if self.auto_log.path.is_file():
                 self.auto.restore([r for r in read_jsonl(self.auto_log.path) if r["step"] <= state.step])
         self.eval_log.truncate_after(state.step)
-        in_flight = load_in_flight(folder) if self.config.async_generation else []
+        in_flight = (
+            load_in_flight(folder, self.accelerator.process_index) if self.config.async_generation else []
+        )
         fresh = fresh_in_flight(in_flight, state.step, self.config.max_staleness)
         self.batches_sampled_again = len(in_flight) - len(fresh)  # too old for this run's max_staleness
         return state, fresh

@@ -1,8 +1,8 @@
 """Weights from the trainer to a rollout process over a two-rank torch process group: gloo between CPU processes
 (TCP: on one machine or across machines), NCCL between two GPUs (device to device, no host copy).
 
-The group is stateless, with its own TCP store (:func:`weights_store`: either side may host it), not torch's
-default group, so it lives beside accelerate's group in the trainer and vLLM's in a server. Rank 0 sends, rank
+The group is stateless (:mod:`pods.process_groups`: a TCP store of its own, which either side may host), so it
+lives beside accelerate's group in the trainer and vLLM's in a server. Rank 0 sends, rank
 1 receives, in the buckets of a :class:`TensorLayout` both sides hold (consecutive tensors of one dtype packed
 into one flat buffer of at most ``bucket_bytes``: a few large transfers, not one per tensor). A background
 thread broadcasts, so the trainer's :meth:`WeightSender.send` returns at once: with ``staged`` (the rollout
@@ -16,13 +16,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pods.errors import ConfigError
+from pods.process_groups import open_group, tcp_store
 
 __all__ = [
     "TensorLayout",
@@ -33,8 +33,6 @@ __all__ = [
     "weights_store",
 ]
 
-# How long one side of a transfer waits for the other (a dead peer ends a transfer at once).
-GROUP_TIMEOUT = timedelta(hours=1)
 BUCKET_BYTES = 256 * 2**20  # TRL's vLLM client streams the weights in chunks of this order too
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8)
@@ -108,23 +106,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def weights_store(host: str, port: int, *, serve: bool) -> dist.TCPStore:
-    """The TCP store two ranks meet at: served here on ``port`` (0: a free one; its ``.port`` says which) or
+    """The TCP store the two ranks meet at: served here on ``port`` (0: a free one; its ``.port`` says which) or
     reached at ``host:port``."""
-    if serve:
-        return dist.TCPStore(host, port, 2, True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
-    return dist.TCPStore(host, port, 2, False, timeout=GROUP_TIMEOUT)
-
-
-def _open_group(backend: str, store: dist.Store, rank: int, device: torch.device) -> Any:
-    """The two ranks' process group (blocks until both have joined: gloo connects at once, NCCL at its first
-    transfer)."""
-    prefixed = dist.PrefixStore("pods-weights", store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, 2, GROUP_TIMEOUT)
-    torch.cuda.set_device(device)
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = GROUP_TIMEOUT
-    return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+    return tcp_store(host, port, 2, serve=serve)
 
 
 def _broadcast(group: Any, buffer: torch.Tensor) -> None:
@@ -176,7 +160,7 @@ class WeightSender:
     def _broadcast(self, tensors: dict[str, torch.Tensor]) -> None:
         try:
             if self._group is None:
-                self._group = _open_group(self.backend, self.store, 0, self.device)
+                self._group = open_group(self.backend, self.store, 0, 2, self.device)
             for index, bucket in enumerate(self.buckets):
                 if self.staging is not None:
                     buffer = self.staging[index]
@@ -222,7 +206,7 @@ class WeightReceiver:
             self.layout, self.buckets = layout, layout.buckets()
         try:
             if self._group is None:
-                self._group = _open_group(self.backend, self.store, 1, self.device)
+                self._group = open_group(self.backend, self.store, 1, 2, self.device)
             for bucket in self.buckets:
                 buffer = _bucket_buffer(bucket, self.device)
                 _broadcast(self._group, buffer)
@@ -232,18 +216,29 @@ class WeightReceiver:
 
 
 def resolve_placement(
-    device: str, backend: str, trainer_device: torch.device | str, cuda_devices: int
+    device: str,
+    backend: str,
+    trainer_device: torch.device | str,
+    cuda_devices: int,
+    *,
+    local_index: int = 0,
+    local_processes: int = 1,
 ) -> tuple[str, str]:
     """(the rollout worker's device, the weights' path to it) for ``rollout_worker_device`` and
-    ``weight_sync_backend``. ``auto`` puts the worker on a GPU of its own where there is one more than the
-    trainer's (else beside the trainer) and sends the weights GPU to GPU with NCCL between two GPUs, else through
-    shared memory; a choice that cannot work is a :class:`~pods.errors.ConfigError` naming the fix."""
+    ``weight_sync_backend``, for trainer process ``local_index`` of the ``local_processes`` on this machine
+    (they train on cuda:0, cuda:1, ...). ``auto`` puts the worker on a GPU no trainer uses where there is one
+    for every process (else beside its trainer) and sends the weights GPU to GPU with NCCL between two GPUs, else
+    through shared memory; a choice that cannot work is a :class:`~pods.errors.ConfigError` naming the fix."""
     trainer = torch.device(trainer_device)
     if trainer.type == "cuda" and trainer.index is None:
         trainer = torch.device("cuda", 0)
     if device == "auto":
-        others = [i for i in range(cuda_devices) if trainer.type != "cuda" or i != trainer.index]
-        device = f"cuda:{others[0]}" if trainer.type == "cuda" and others else str(trainer)
+        device = str(trainer)
+        if trainer.type == "cuda":
+            trainers = set(range(local_processes)) if local_processes > 1 else {trainer.index}
+            free = [i for i in range(cuda_devices) if i not in trainers]
+            if len(free) >= local_processes:
+                device = f"cuda:{free[local_index]}"
     worker = torch.device(device)
     if worker.type == "cuda":
         if cuda_devices == 0:
