@@ -155,29 +155,32 @@ def test_an_async_run_overlaps_sampling_and_reproduces_itself(tiny_model_dir: Pa
 
 
 def test_an_async_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Stopped after step 2, the checkpoint holds the batch of step 3, sampled by step 2's weights; resumed to
-    step 5, the run is the uninterrupted one's, weights and metrics."""
-    settings = {"max_steps": 5, "save_every_steps": 2}
+    """The checkpoint after step 2 holds the batch of step 3, sampled by step 2's weights; resumed from it (a copy
+    of the run folder without the later checkpoints) to step 5, the run is the uninterrupted one's, weights and
+    metrics."""
+    import shutil
+
+    from pods.checkpoint import checkpoint_dir
+
+    settings = {"max_steps": 5, "save_every_steps": 2, "save_total_limit": 3}
     straight = RecordingTrainer(
         tiny_config(tiny_model_dir, tmp_path / "straight", **settings),
         reward_funcs=[count_of_a],
         train_dataset=tiny_dataset(),
     )
     straight.train()
-    first = RecordingTrainer(
-        tiny_config(tiny_model_dir, tmp_path / "resumed", **{**settings, "max_steps": 2}),
-        reward_funcs=[count_of_a],
-        train_dataset=tiny_dataset(),
-    )
-    first.train()
-    [checkpoint] = [p for p in (tmp_path / "resumed" / "checkpoints").iterdir() if p.name.startswith("step-")]
+    checkpoint = checkpoint_dir(tmp_path / "straight" / "checkpoints", 2)
     assert [(b.step, b.version) for b in load_in_flight(checkpoint)] == [(2, 1)]
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    for step in (4, 5):
+        shutil.rmtree(checkpoint_dir(tmp_path / "resumed" / "checkpoints", step))
     resumed = RecordingTrainer(
         tiny_config(tiny_model_dir, tmp_path / "resumed", **settings, resume_from="auto"),
         reward_funcs=[count_of_a],
         train_dataset=tiny_dataset(),
     )
     resumed.train()
+    assert len(resumed.updates) == 3  # steps 3 to 5 only
     a, b = (
         {n: p.detach() for n, p in t.accelerator.unwrap_model(t.model).named_parameters()}
         for t in (straight, resumed)
