@@ -191,6 +191,19 @@ def test_an_async_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> N
     )
 
 
+def test_the_worker_samples_under_the_trainers_mixed_precision(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """With mixed_precision bf16 the worker's HF forwards run under the same autocast as the trainer's prepared
+    model: the first step's behaviour log-probs are the trainer's to rounding (3e-4 apart in float32)."""
+    trainer = RecordingTrainer(
+        tiny_config(tiny_model_dir, tmp_path, max_steps=1, save_final=False, mixed_precision="bf16"),
+        reward_funcs=[count_of_a],
+        train_dataset=tiny_dataset(),
+    )
+    trainer.train()
+    [row] = read_jsonl(tmp_path / "metrics.jsonl")
+    assert row["sampling/sampling_logp_difference/mean"] < 2e-5
+
+
 def test_a_resume_with_a_smaller_max_staleness_samples_the_too_old_batches_again(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

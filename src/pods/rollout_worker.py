@@ -494,27 +494,33 @@ def _incoming_weights(
 class BehaviourLogprobs:
     """An engine whose rollouts carry the log-probs they were sampled with: vLLM reports them; for HF
     ``generate`` they are computed right after sampling, by the same weights, under the same temperature and
-    top-k / top-p (what the trainer's truncated importance weights compare against)."""
+    top-k / top-p (what the trainer's truncated importance weights compare against), and both run under the
+    trainer's mixed precision (accelerate autocasts the trainer's prepared model; the worker's copy is not
+    prepared)."""
 
     def __init__(self, engine: Any, model: torch.nn.Module, config: Any) -> None:
         self.engine, self.model, self.config = engine, model, config
+        self.precision = mixed_precision(config, next(model.parameters()).device)
 
     def generate(self, prompts: list[str], num_generations: int, sampling: Any) -> Any:
         from pods.loss import completion_logprobs
+        from pods.rollout import HFGenerateEngine
 
-        rollouts = self.engine.generate(prompts, num_generations, sampling)
-        if rollouts.sampling_logprobs is None:
-            with torch.no_grad():
-                rollouts.sampling_logprobs = completion_logprobs(
-                    self.model,
-                    rollouts.prompt_ids,
-                    rollouts.prompt_mask,
-                    rollouts.completion_ids,
-                    rollouts.completion_mask,
-                    temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
-                    top_k=sampling.top_k,
-                    top_p=sampling.top_p,
-                ).float()
+        if not isinstance(self.engine, HFGenerateEngine):  # vLLM: its own dtype, and it reports its log-probs
+            return self.engine.generate(prompts, num_generations, sampling)
+        with self.precision():
+            rollouts = self.engine.generate(prompts, num_generations, sampling)
+        with torch.no_grad(), self.precision():
+            rollouts.sampling_logprobs = completion_logprobs(
+                self.model,
+                rollouts.prompt_ids,
+                rollouts.prompt_mask,
+                rollouts.completion_ids,
+                rollouts.completion_mask,
+                temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+            ).float()
         return rollouts
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -527,6 +533,15 @@ class BehaviourLogprobs:
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
+
+
+def mixed_precision(config: Any, device: torch.device) -> Any:
+    """A context factory for the trainer's ``mixed_precision`` (bf16 or fp16 autocast on ``device``; none for
+    ``no``), as accelerate applies it to the trainer's prepared model."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.mixed_precision)
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
 
 
 def vllm_options(config: Any, cores: list[int] | None = None) -> dict[str, Any]:
