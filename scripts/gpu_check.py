@@ -9,7 +9,9 @@ command, no network.
    scratch on the GPU for ``--pretrain-seconds`` (bf16 autocast), and measures its greedy accuracy.
 2. Runs ``pods compare`` on it: GRPO (n = m = 4) against PODS (n = 16, m = 4, max-variance), 64 prompts
    per step, bf16 mixed precision, HF ``generate`` (``--engine``), the same training-time budget per arm
-   and seed, evaluation off the clock.
+   and seed, evaluation off the clock; and both again with ``async_generation`` (arms ``grpo-async`` and
+   ``pods-async``: a rollout worker, on the GPU's spare capacity with one GPU, on a GPU of its own with two;
+   ``--no-async`` leaves them out).
 3. When bitsandbytes is installed: the paper's single-GPU setting in small, the base in 4-bit + LoRA
    (8-bit AdamW on a GPU, as in the paper), for ``--qlora-seconds``. With vLLM (built unquantized, fed
    dequantize(W) + LoRA delta) it counts the prompts whose greedy completions from vLLM and from the HF
@@ -40,11 +42,11 @@ from typing import Any
 import torch
 
 from pods.cli import quiet_libraries
-from pods.compare import run_comparison
+from pods.compare import compare_arms
 from pods.config import TrainConfig
 from pods.data import arith
 from pods.embedded import build_base_model
-from pods.sweep import format_summary
+from pods.sweep import Arm, format_summary, run_sweep
 
 MAX_FILE_BYTES = 16 * 2**20  # what the results folder may hold per file
 
@@ -246,6 +248,7 @@ def main() -> None:
         help="comma-separated training seconds to evaluate at (default: every budget/4)",
     )
     parser.add_argument("--engine", default="hf", help="rollout engine of the comparison (hf, vllm, auto)")
+    parser.add_argument("--no-async", action="store_true", help="leave out the async_generation arms")
     parser.add_argument("--lr", type=float, default=2e-5, help="RL learning rate (the compare preset's)")
     parser.add_argument(
         "--qlora-engine", choices=("auto", "vllm", "hf"), default="auto",
@@ -346,19 +349,26 @@ def isolated(stage: str, run: Any) -> dict[str, Any]:
 
 
 def compare_check(model_dir: Path, args: argparse.Namespace, device: str, rows: dict) -> dict[str, Any]:
-    """Step 2: GRPO 4/4 against PODS 16/4 under equal training-time budgets; the summary and step split."""
+    """Step 2: GRPO 4/4 against PODS 16/4 under equal training-time budgets, sync and (unless ``--no-async``)
+    async; the summary and step split (an async arm's generation is the worker's, beside the step)."""
     seeds = [int(s) for s in args.seeds.split(",")]
     started = time.perf_counter()
-    summary = run_comparison(
-        compare_config(model_dir, args, device), args.out, ["grpo", "pods"], seeds, trainer_kwargs=rows
-    )
+    base = compare_config(model_dir, args, device)
+    arms = compare_arms(base, ["grpo", "pods"])
+    if not args.no_async:
+        arms += [Arm(f"{arm.name}-async", {**arm.overrides, "async_generation": True}) for arm in arms]
+    summary = run_sweep(base, arms, seeds, args.out, baseline="grpo", trainer_kwargs=rows)
     print("\n" + format_summary(summary))
     grpo, pods = summary["arms"]["grpo"], summary["arms"]["pods"]
     print("\nstep split (seconds per step, mean over seeds):")
-    for arm, row in (("GRPO 4/4", grpo), ("PODS 16/4", pods)):
+    for arm in arms:
+        row = summary["arms"][arm.name]
+        label = (
+            f"{'GRPO 4/4' if arm.name.startswith('grpo') else 'PODS 16/4'}{' async' * ('async' in arm.name)}"
+        )
         print(
-            f"  {arm}: generate {row['seconds_generate_per_step']:.3f} + update {row['seconds_update_per_step']:.3f} "
-            f"= {row['seconds_per_step']:.3f} s (steps {row['steps']})"
+            f"  {label}: generate {row['seconds_generate_per_step']:.3f} + update {row['seconds_update_per_step']:.3f} "
+            f"-> {row['seconds_per_step']:.3f} s (steps {row['steps']})"
         )
     ratio = pods["seconds_generate_per_step"] / max(grpo["seconds_generate_per_step"], 1e-9)
     print(f"  4x the rollouts cost {ratio:.2f}x the generation time of GRPO's", flush=True)

@@ -35,8 +35,11 @@ def test_gpu_check_tiny_runs_without_datasets_or_trl_and_writes_small_shallow_re
     assert "GRPO 4/4: generate" in result.stdout and "PODS 16/4: generate" in result.stdout
     figures = json.loads((out / "gpu_check.json").read_text())
     assert figures["device"] == "cpu" and figures["base_model"]["parameters"] > 0
-    assert set(figures["compare"]["summary"]["arms"]) == {"grpo", "pods"}
+    assert set(figures["compare"]["summary"]["arms"]) == {"grpo", "pods", "grpo-async", "pods-async"}
     assert figures["compare"]["summary"]["arms"]["pods"]["steps"] == [2]
+    assert "PODS 16/4 async: generate" in result.stdout
+    async_rows = [json.loads(line) for line in (out / "pods-async" / "seed0" / "metrics.jsonl").open()]
+    assert [row["pods/async/staleness_max"] for row in async_rows] == [0, 1]  # sampled by the worker
     assert (work / "base-model" / "config.json").is_file()  # models stay out of the results
     files = [path for path in out.rglob("*") if path.is_file()]
     assert {"gpu_check.json", "summary.json", "metrics.jsonl"} <= {path.name for path in files}
