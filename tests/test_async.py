@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pods.config import TrainConfig
-from pods.errors import ConfigError, RolloutWorkerError
+from pods.errors import ConfigError, RewardFunctionError, RolloutWorkerError
 from pods.metrics import TIMING_KEYS, read_jsonl
 from pods.producer import ProducedBatch, ProducerState
 from pods.prompt_filter import SampledGroups
@@ -262,6 +262,24 @@ def test_a_killed_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(
     assert "checkpoint" in str(error.value) and "resume_from: auto" in str(error.value)
     checkpoints = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")]
     assert len(checkpoints) == 1 and not alive(killed[0])
+
+
+def test_a_reward_function_failing_in_the_worker_ends_the_run_with_its_error_and_a_checkpoint(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from tiny_run import always_fails
+
+    trainer = RecordingTrainer(
+        tiny_config(tiny_model_dir, tmp_path, max_steps=4),
+        reward_funcs=[always_fails],
+        train_dataset=tiny_dataset(),
+    )
+    with pytest.raises(RewardFunctionError, match="this reward always fails") as error:
+        trainer.train()
+    assert "is saved in" in str(error.value) and "resume_from: auto" in str(error.value)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")] == [
+        "step-0000000"
+    ]
 
 
 def test_reward_functions_that_cannot_reach_the_worker_are_named(

@@ -48,6 +48,7 @@ __all__ = [
     "async_metrics",
     "check_picklable",
     "fresh_in_flight",
+    "from_rollout_worker",
     "in_flight_file",
     "load_in_flight",
     "require_async_with_several_processes",
@@ -353,8 +354,15 @@ class _WorkerFailure:
 
         cls = getattr(errors, self.kind, None)
         if isinstance(cls, type) and issubclass(cls, Exception) and cls is not RolloutWorkerError:
-            return cls(self.message)
+            error = cls(self.message)
+            error.from_rollout_worker = True  # type: ignore[attr-defined]  # the trainer checkpoints first
+            return error
         return RolloutWorkerError(f"the rollout worker failed: {self.kind}: {self.message}\n{self.trace}")
+
+
+def from_rollout_worker(error: BaseException) -> bool:
+    """Whether ``error`` is a rollout worker's failure (its death, or its own error, e.g. a reward function's)."""
+    return isinstance(error, RolloutWorkerError) or getattr(error, "from_rollout_worker", False)
 
 
 def _worker_main(spec: WorkerSpec, channels: _Channels) -> None:

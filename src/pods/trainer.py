@@ -82,6 +82,7 @@ from pods.rollout_worker import (
     async_metrics,
     check_picklable,
     fresh_in_flight,
+    from_rollout_worker,
     load_in_flight,
     require_async_with_several_processes,
     save_in_flight,
@@ -430,10 +431,13 @@ class PODSTrainer:
         step (the batches in flight are sampled again on resume)."""
         try:
             yield
-        except RolloutWorkerError as error:
+        except Exception as error:
+            if not from_rollout_worker(error):
+                raise
             self.rollouts.abandoned = True
             checkpoint = self._save(state)
-            raise RolloutWorkerError(
+            cls = type(error)  # RolloutWorkerError, or the worker's own pods error (e.g. a reward function's)
+            raise cls(
                 f"{error}. The last completed step ({state.step}) is saved in {checkpoint}: resume with "
                 "resume_from: auto (its batches in flight are sampled again)"
             ) from None

@@ -71,6 +71,11 @@ def fails_on_rank_one(prompts, completions, completion_ids=None, **columns) -> l
     return count_of_a(prompts, completions)
 
 
+def always_fails(prompts, completions, completion_ids=None, **columns) -> list[float]:
+    """A reward function that raises (picklable: it fails inside the rollout worker)."""
+    raise RuntimeError("this reward always fails")
+
+
 REWARDS = {
     "count_of_a": count_of_a,
     "half_constant": half_constant,
