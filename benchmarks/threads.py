@@ -68,13 +68,18 @@ def main() -> None:
     parser.add_argument("--config", default="embedded-hard")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--num_generations", type=int, default=4, help="n (GRPO: 4; PODS: 16)")
-    parser.add_argument("--smoke", action="store_true", help="3 steps of the first case, quiet only")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="3 steps of the first case, quiet only, HF generate (no vLLM start-up)",
+    )
     args = parser.parse_args()
     steps = 3 if args.smoke else args.steps
     cases = CASES[:1] if args.smoke else CASES
     extra = {
         "num_generations": args.num_generations,
         "selection_rule": "all" if args.num_generations == 4 else "max_variance",
+        **({"rollout_engine": "hf"} if args.smoke else {}),
     }
     if args.num_generations == 4:
         extra["num_generations_kept"] = 4

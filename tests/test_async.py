@@ -380,7 +380,7 @@ def test_two_trainer_processes_each_with_a_worker_resume_exactly(
 
     settings = {
         **ASYNC,
-        "max_steps": 4,
+        "max_steps": 3,
         "save_every_steps": 2,
         "prompt_filter": "nonzero_std",
         "max_num_gen_batches": 2,
@@ -393,14 +393,14 @@ def test_two_trainer_processes_each_with_a_worker_resume_exactly(
     assert [(b.step, b.version) for b in load_in_flight(checkpoint, 0)] == [(2, 1)]
     assert [(b.step, b.version) for b in load_in_flight(checkpoint, 1)] == [(2, 1)]
     rows = read_jsonl(straight / "metrics.jsonl")
-    assert [row["pods/async/staleness_max"] for row in rows] == [0, 1, 1, 1]
+    assert [row["pods/async/staleness_max"] for row in rows] == [0, 1, 1]
     assert rows[0]["sampling/sampling_logp_difference/mean"] < 1e-4  # each worker had its trainer's weights
     updates = [json.loads((straight / f"record-rank{r}.json").read_text())["updates"] for r in (0, 1)]
     assert updates[0][0]["texts"] != updates[1][0]["texts"]  # each process's own prompts
 
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed)
-    shutil.rmtree(checkpoint_dir(resumed / "checkpoints", 4))
+    shutil.rmtree(checkpoint_dir(resumed / "checkpoints", 3))
     command, env = two_process_launch(tiny_model_dir, resumed, {**settings, "resume_from": "auto"})
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]

