@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pods.checkpoint import checkpoint_dir, list_checkpoints
 from pods.config import TrainConfig
 from pods.errors import ConfigError, RewardFunctionError, RolloutWorkerError
 from pods.metrics import TIMING_KEYS, read_jsonl
@@ -35,6 +36,13 @@ ASYNC = {"async_generation": True, "rollout_worker_threads": 1, "torch_threads":
 def tiny_config(model_dir: Path, output_dir: Path, **overrides) -> TrainConfig:
     return TrainConfig.from_dict(
         {"model": str(model_dir), "output_dir": str(output_dir), **TINY_SETTINGS, **ASYNC, **overrides}
+    )
+
+
+def tiny_trainer(model_dir: Path, output_dir: Path, reward=count_of_a, **overrides) -> RecordingTrainer:
+    """The recording trainer on the tiny model and data, asynchronous, rewarding ``reward``."""
+    return RecordingTrainer(
+        tiny_config(model_dir, output_dir, **overrides), reward_funcs=[reward], train_dataset=tiny_dataset()
     )
 
 
@@ -116,12 +124,8 @@ def test_an_async_run_overlaps_sampling_and_reproduces_itself(tiny_model_dir: Pa
     sent over a gloo process group instead of shared memory."""
     runs = []
     for name, backend in (("a", "shared_memory"), ("b", "gloo")):
-        trainer = RecordingTrainer(
-            tiny_config(
-                tiny_model_dir, tmp_path / name, max_steps=4, save_final=False, weight_sync_backend=backend
-            ),
-            reward_funcs=[count_of_a],
-            train_dataset=tiny_dataset(),
+        trainer = tiny_trainer(
+            tiny_model_dir, tmp_path / name, max_steps=4, save_final=False, weight_sync_backend=backend
         )
         trainer.train()
         runs.append(learning_rows(tmp_path / name / "metrics.jsonl"))
@@ -133,10 +137,8 @@ def test_an_async_run_overlaps_sampling_and_reproduces_itself(tiny_model_dir: Pa
     assert rows[0]["sampling/sampling_logp_difference/mean"] < 1e-4  # the same weights sampled and trained
     assert all(row["seconds_generate"] > 0 and "seconds_wait_for_rollouts" in row for row in rows)
 
-    sync = RecordingTrainer(
-        tiny_config(tiny_model_dir, tmp_path / "sync", max_steps=2, save_final=False, async_generation=False),
-        reward_funcs=[count_of_a],
-        train_dataset=tiny_dataset(),
+    sync = tiny_trainer(
+        tiny_model_dir, tmp_path / "sync", max_steps=2, save_final=False, async_generation=False
     )
     sync.train()
     # the timeline of both: the worker's phases in its own lane, every span inside the plotted window
@@ -160,25 +162,15 @@ def test_an_async_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> N
     metrics."""
     import shutil
 
-    from pods.checkpoint import checkpoint_dir
-
     settings = {"max_steps": 5, "save_every_steps": 2, "save_total_limit": 3}
-    straight = RecordingTrainer(
-        tiny_config(tiny_model_dir, tmp_path / "straight", **settings),
-        reward_funcs=[count_of_a],
-        train_dataset=tiny_dataset(),
-    )
+    straight = tiny_trainer(tiny_model_dir, tmp_path / "straight", **settings)
     straight.train()
     checkpoint = checkpoint_dir(tmp_path / "straight" / "checkpoints", 2)
     assert [(b.step, b.version) for b in load_in_flight(checkpoint)] == [(2, 1)]
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
     for step in (4, 5):
         shutil.rmtree(checkpoint_dir(tmp_path / "resumed" / "checkpoints", step))
-    resumed = RecordingTrainer(
-        tiny_config(tiny_model_dir, tmp_path / "resumed", **settings, resume_from="auto"),
-        reward_funcs=[count_of_a],
-        train_dataset=tiny_dataset(),
-    )
+    resumed = tiny_trainer(tiny_model_dir, tmp_path / "resumed", **settings, resume_from="auto")
     resumed.train()
     assert len(resumed.updates) == 3  # steps 3 to 5 only
     a, b = (
@@ -194,11 +186,7 @@ def test_an_async_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> N
 def test_the_worker_samples_under_the_trainers_mixed_precision(tiny_model_dir: Path, tmp_path: Path) -> None:
     """With mixed_precision bf16 the worker's HF forwards run under the same autocast as the trainer's prepared
     model: the first step's behaviour log-probs are the trainer's to rounding (3e-4 apart in float32)."""
-    trainer = RecordingTrainer(
-        tiny_config(tiny_model_dir, tmp_path, max_steps=1, save_final=False, mixed_precision="bf16"),
-        reward_funcs=[count_of_a],
-        train_dataset=tiny_dataset(),
-    )
+    trainer = tiny_trainer(tiny_model_dir, tmp_path, max_steps=1, save_final=False, mixed_precision="bf16")
     trainer.train()
     [row] = read_jsonl(tmp_path / "metrics.jsonl")
     assert row["sampling/sampling_logp_difference/mean"] < 2e-5
@@ -209,19 +197,11 @@ def test_a_resume_with_a_smaller_max_staleness_samples_the_too_old_batches_again
 ) -> None:
     """A checkpoint of a max_staleness 2 run holds the batches of steps 2 (weights 0) and 3 (weights 1); resumed
     with max_staleness 1, step 2's batch would be 2 steps old: both are sampled again, and counted."""
-    first = RecordingTrainer(
-        tiny_config(tiny_model_dir, tmp_path, max_steps=2, save_every_steps=2, max_staleness=2),
-        reward_funcs=[count_of_a],
-        train_dataset=tiny_dataset(),
-    )
+    first = tiny_trainer(tiny_model_dir, tmp_path, max_steps=2, save_every_steps=2, max_staleness=2)
     first.train()
-    [checkpoint] = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")]
+    [checkpoint] = list_checkpoints(tmp_path / "checkpoints")
     assert [(b.step, b.version) for b in load_in_flight(checkpoint)] == [(2, 0), (3, 1)]
-    resumed = RecordingTrainer(
-        tiny_config(tiny_model_dir, tmp_path, max_steps=4, max_staleness=1, resume_from="auto"),
-        reward_funcs=[count_of_a],
-        train_dataset=tiny_dataset(),
-    )
+    resumed = tiny_trainer(tiny_model_dir, tmp_path, max_steps=4, max_staleness=1, resume_from="auto")
     resumed.train()
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
@@ -241,11 +221,7 @@ def alive(pid: int) -> bool:
 def test_a_killed_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    trainer = RecordingTrainer(
-        tiny_config(tiny_model_dir, tmp_path, max_steps=50),
-        reward_funcs=[slow_count_of_a],
-        train_dataset=tiny_dataset(),
-    )
+    trainer = tiny_trainer(tiny_model_dir, tmp_path, max_steps=50, reward=slow_count_of_a)
     killed = []
 
     def kill_after_two_steps() -> None:
@@ -260,8 +236,7 @@ def test_a_killed_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(
     ) as error:
         trainer.train()
     assert "checkpoint" in str(error.value) and "resume_from: auto" in str(error.value)
-    checkpoints = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")]
-    assert len(checkpoints) == 1 and not alive(killed[0])
+    assert len(list_checkpoints(tmp_path / "checkpoints")) == 1 and not alive(killed[0])
 
 
 def test_a_reward_function_failing_in_the_worker_ends_the_run_with_its_error_and_a_checkpoint(
@@ -269,17 +244,11 @@ def test_a_reward_function_failing_in_the_worker_ends_the_run_with_its_error_and
 ) -> None:
     from tiny_run import always_fails
 
-    trainer = RecordingTrainer(
-        tiny_config(tiny_model_dir, tmp_path, max_steps=4),
-        reward_funcs=[always_fails],
-        train_dataset=tiny_dataset(),
-    )
+    trainer = tiny_trainer(tiny_model_dir, tmp_path, max_steps=4, reward=always_fails)
     with pytest.raises(RewardFunctionError, match="this reward always fails") as error:
         trainer.train()
     assert "is saved in" in str(error.value) and "resume_from: auto" in str(error.value)
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")] == [
-        "step-0000000"
-    ]
+    assert list_checkpoints(tmp_path / "checkpoints") == [checkpoint_dir(tmp_path / "checkpoints", 0)]
 
 
 def test_reward_functions_that_cannot_reach_the_worker_are_named(
@@ -336,17 +305,13 @@ def test_auto_n_reaches_the_worker_with_the_weights(tiny_model_dir: Path, tmp_pa
     """num_generations: auto with a rollout worker: a decision after step t travels with the weights of step t,
     so the batch sampled by them has the new n: one step later than without a worker (max_staleness 1), and the
     decisions model generation as overlapping the update."""
-    trainer = RecordingTrainer(
-        tiny_config(
-            tiny_model_dir,
-            tmp_path,
-            max_steps=6,
-            num_generations="auto",
-            num_generations_every=2,
-            save_final=False,
-        ),
-        reward_funcs=[count_of_a],
-        train_dataset=tiny_dataset(),
+    trainer = tiny_trainer(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=6,
+        num_generations="auto",
+        num_generations_every=2,
+        save_final=False,
     )
     trainer.train()
     rows = read_jsonl(tmp_path / "metrics.jsonl")
@@ -375,8 +340,6 @@ def test_two_trainer_processes_each_with_a_worker_resume_exactly(
     import shutil
 
     from test_trainer import two_process_launch
-
-    from pods.checkpoint import checkpoint_dir
 
     settings = {
         **ASYNC,
@@ -427,9 +390,7 @@ def test_a_failing_worker_of_one_trainer_process_ends_both_with_its_error(
         -3000:
     ]
     assert "resume_from: auto" in result.stderr
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")] == [
-        "step-0000000"
-    ]
+    assert list_checkpoints(tmp_path / "checkpoints") == [checkpoint_dir(tmp_path / "checkpoints", 0)]
 
 
 def test_async_with_several_processes_refuses_what_cannot_work() -> None:

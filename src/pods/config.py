@@ -124,12 +124,8 @@ class TrainConfig:
     rollout_worker_threads: int | None = (
         None  # async: the worker's cores (default half); the trainer the rest
     )
-    rollout_worker_device: str = (
-        "auto"  # async: cpu, cuda[:N], auto (a GPU of its own if free, else the trainer's)
-    )
-    weight_sync_backend: str = (
-        "auto"  # async: shared_memory, gloo, nccl, auto (nccl between 2 GPUs, else shm)
-    )
+    rollout_worker_device: str = "auto"  # async: cpu, cuda[:N], auto (its own GPU if free)
+    weight_sync_backend: str = "auto"  # async: shared_memory, gloo, nccl; auto: nccl between 2 GPUs
 
     # --- rewards and loss ---
     reward_funcs: list[str] | None = None  # names in pods.rewards; None = the task's (arith: accuracy)

@@ -13,6 +13,7 @@ takes the whole merged model) one bucket at a time, so that sending costs one bu
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -75,7 +76,7 @@ class TensorLayout:
         buckets: list[list[Entry]] = []
         size = 0
         for entry in self.entries:
-            nbytes = _numel(entry[1]) * entry[2].itemsize
+            nbytes = math.prod(entry[1]) * entry[2].itemsize
             if not buckets or buckets[-1][0][2] != entry[2] or size + nbytes > self.bucket_bytes:
                 buckets.append([])
                 size = 0
@@ -85,24 +86,24 @@ class TensorLayout:
 
 
 def _bucket_buffer(bucket: tuple[Entry, ...], device: torch.device) -> torch.Tensor:
-    return torch.empty(sum(_numel(shape) for _, shape, _ in bucket), dtype=bucket[0][2], device=device)
+    return torch.empty(sum(math.prod(shape) for _, shape, _ in bucket), dtype=bucket[0][2], device=device)
 
 
 def _bucket_views(bucket: tuple[Entry, ...], buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Each tensor of ``bucket`` as a view into its flat ``buffer`` (writing a view writes the buffer)."""
     views, start = [], 0
     for name, shape, _ in bucket:
-        size = _numel(shape)
+        size = math.prod(shape)
         views.append((name, buffer[start : start + size].view(shape)))
         start += size
     return views
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+def _pack(bucket: tuple[Entry, ...], buffer: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy the tensors of ``bucket`` from ``tensors`` (by name) into its flat ``buffer``."""
+    with torch.no_grad():
+        for name, view in _bucket_views(bucket, buffer):
+            view.copy_(tensors[name].detach())
 
 
 def weights_store(host: str, port: int, *, serve: bool) -> dist.TCPStore:
@@ -147,10 +148,8 @@ class WeightSender:
         self.wait()
         tensors = dict(named)
         if self.staging is not None:
-            with torch.no_grad():
-                for bucket, buffer in zip(self.buckets, self.staging, strict=True):
-                    for name, view in _bucket_views(bucket, buffer):
-                        view.copy_(tensors[name].detach())
+            for bucket, buffer in zip(self.buckets, self.staging, strict=True):
+                _pack(bucket, buffer, tensors)
             tensors = {}
         self._thread = threading.Thread(
             target=self._broadcast, args=(tensors,), name="pods-weight-sender", daemon=True
@@ -166,9 +165,7 @@ class WeightSender:
                     buffer = self.staging[index]
                 else:  # packed here, one bucket of memory at a time
                     buffer = _bucket_buffer(bucket, self.device)
-                    with torch.no_grad():
-                        for name, view in _bucket_views(bucket, buffer):
-                            view.copy_(tensors[name].detach())
+                    _pack(bucket, buffer, tensors)
                 _broadcast(self._group, buffer)
         except BaseException as error:  # raised in the trainer's thread by the next wait()
             self._error = error

@@ -312,13 +312,14 @@ class VLLMServerEngine:
             ]
             store = weights_store(urlparse(self.base_url).hostname or "127.0.0.1", int(port), serve=False)
             device = named[0][1].device
-            layout = TensorLayout.of(named)
             self.sender = WeightSender(
-                layout, backend=self.weight_sync, device=device, store=store, staged=False
+                TensorLayout.of(named), backend=self.weight_sync, device=device, store=store, staged=False
             )
         self.sender.send(named)
-        layout = json.dumps(self.sender.layout.to_json())
-        self._post("/collective_rpc", {"method": "pods_receive_weights", "args": [self.weight_sync, layout]})
+        layout_json = json.dumps(self.sender.layout.to_json())
+        self._post(
+            "/collective_rpc", {"method": "pods_receive_weights", "args": [self.weight_sync, layout_json]}
+        )
         try:
             done = self.sender.wait(self.timeout)
         except WeightSyncError as error:
