@@ -7,6 +7,7 @@ the processes meet: metrics over every process, and clock-based decisions that a
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,6 +71,39 @@ def every_process(accelerator: Any, value: Any) -> list[Any]:
     from accelerate.utils import gather_object
 
     return gather_object([value])
+
+
+def failure_of(
+    action: Callable[[], Any], catch: type[BaseException] | tuple, alone: bool
+) -> tuple[Any, str | None]:
+    """``(action(), None)``, or with other processes to tell (``alone`` false) ``(None, its error in one line)``
+    when it raises one of ``catch``; alone, the error is raised as it is."""
+    if alone:
+        return action(), None
+    try:
+        return action(), None
+    except catch as error:
+        text = str(error).splitlines()[0] if str(error) else ""
+        return None, f"{type(error).__name__}: {text}"
+
+
+def raise_any_failure(
+    every_process: Callable[[Any], list[Any]],
+    failure: str | None,
+    error: Callable[[str], Exception],
+    extra: Any = None,
+    prefix: str = "",
+) -> list[Any]:
+    """Every process's ``extra``, unless a process reports a ``failure``: then ``error`` is raised on every process
+    alike, naming each failing process (one line each, after ``prefix``), so that none waits for another in a
+    later collective. A collective: every process calls it at the same point."""
+    reports = every_process((failure, extra))
+    failures = [(rank, text) for rank, (text, _) in enumerate(reports) if text]
+    if failures:
+        if len(reports) == 1:
+            raise error(prefix + failures[0][1])
+        raise error(prefix + "; ".join(f"process {rank}: {text}" for rank, text in failures))
+    return [value for _, value in reports]
 
 
 def synced_max(accelerator: Any, value: float) -> float:

@@ -14,8 +14,10 @@ checkpoint's weights could not sample again (those of steps T.. with v(t) < T), 
 exactly what an uninterrupted one trains.
 
 Everything the worker needs travels in a :class:`WorkerSpec` (pickled: reward functions must be module-level
-functions or picklable objects). The worker dies with the trainer (``PR_SET_PDEATHSIG``), ignores SIGINT
-(the trainer stops it), and reports any error through the queue.
+functions or picklable objects). The worker and the trainer (:class:`pods.rollout_sources.WorkerRollouts`) talk
+over two pipes (:mod:`pods.pipes`): the trainer says which weights version it published, the worker says when it
+has read them, sends its batches and reports its own error. The worker dies with the trainer (the pipes' end, and
+``PR_SET_PDEATHSIG``), ignores SIGINT (the trainer stops it) and stops its engine on SIGTERM.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import queue
 import signal
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +37,21 @@ import torch
 
 from pods.child_process import die_with_parent
 from pods.errors import ConfigError, RolloutWorkerError
+from pods.faults import fault_point
 from pods.metrics import StepTimer
+from pods.pipes import NOTHING, Link, PeerGone
 from pods.producer import ProducedBatch, ProducerState
 from pods.prompt_filter import SampledGroups
-from pods.weight_sync import TensorLayout, WeightReceiver, WeightSender, weights_store
+from pods.weight_sync import TensorLayout, WeightReceiver, weights_store
 
 __all__ = [
     "IN_FLIGHT_FILE",
-    "AsyncRollouts",
     "BehaviourLogprobs",
+    "GroupAddress",
     "WorkerSpec",
     "async_metrics",
     "check_picklable",
     "fresh_in_flight",
-    "from_rollout_worker",
     "in_flight_file",
     "load_in_flight",
     "require_async_with_several_processes",
@@ -56,13 +59,15 @@ __all__ = [
     "save_in_flight",
     "share_of_cores",
     "split_cores",
+    "trainable_parameters",
     "visible_gpu",
     "vllm_options",
+    "worker_main",
 ]
 
 IN_FLIGHT_FILE = "rollouts_in_flight.pt"  # in a checkpoint: the batches its weights could not sample again
-POLL_SECONDS = 0.5  # how often a waiting side checks that the other is still alive
-CLOSE_SECONDS = 10.0  # how long the worker may take to stop before it is terminated
+POLL_SECONDS = 0.5  # the longest the worker waits without checking that the trainer is still there
+SERVER_LOG_FILE = "vllm_server.log"  # in the run folder: the log of a vLLM server pods started
 
 
 def sampler_version(step: int, max_staleness: int, sync_every: int, first: int = 0) -> int:
@@ -174,10 +179,11 @@ class WorkerSpec:
     num_processes: int = 1
     group_host: str = "127.0.0.1"
     group_port: int = 0
+    output_dir: str = ""  # the run folder (a vLLM server the worker starts logs there)
 
 
 @dataclass(frozen=True)
-class _GroupAddress:
+class GroupAddress:
     """Where the worker joins the trainer's weights group, and the layout of what it receives."""
 
     backend: str
@@ -186,152 +192,8 @@ class _GroupAddress:
     layout: TensorLayout
 
 
-class _Channels:
-    """What the two processes share: the trainable weights (in shared memory, or the address of the process
-    group they travel through), the published and the taken version with a condition to wait on, n per version,
-    the batch queue and a stop flag."""
-
-    def __init__(self, context: Any, weights: dict[str, torch.Tensor] | _GroupAddress, capacity: int) -> None:
-        self.weights = weights
-        self.published = context.Value("q", -1, lock=False)
-        self.taken = context.Value("q", -1, lock=False)
-        self.num_generations = context.Value("q", 0, lock=False)
-        self.changed = context.Condition()
-        self.batches = context.Queue(maxsize=capacity)
-        self.stop = context.Event()
-        self.ready = context.Event()  # the worker has built its model and engine
-
-
-class AsyncRollouts:
-    """The trainer's side of the rollout worker: start it, :meth:`take` each step's batch, :meth:`publish` the
-    weights the schedule needs, keep the batches a checkpoint must hold, :meth:`close` it."""
-
-    def __init__(
-        self,
-        spec: WorkerSpec,
-        model: torch.nn.Module,
-        *,
-        max_staleness: int,
-        sync_every: int,
-        num_generations: int,
-        pending: list[ProducedBatch] | None = None,
-        weight_sync_backend: str = "shared_memory",
-    ) -> None:
-        self.max_staleness, self.sync_every = max_staleness, sync_every
-        self.first = spec.first_version
-        self.ready: dict[int, ProducedBatch] = {batch.step: batch for batch in pending or []}
-        self.abandoned = False
-        context = torch.multiprocessing.get_context("spawn")
-        trainable = _trainable(model)
-        self.sender: WeightSender | None = None
-        if weight_sync_backend == "shared_memory":
-            weights: Any = {name: p.detach().to("cpu", copy=True).share_memory_() for name, p in trainable}
-        else:  # staged on the trainer's GPU for NCCL, in host memory for gloo
-            device = trainable[0][1].device if weight_sync_backend == "nccl" else "cpu"
-            store = weights_store("127.0.0.1", 0, serve=True)
-            layout = TensorLayout.of(trainable)
-            self.sender = WeightSender(layout, backend=weight_sync_backend, device=device, store=store)
-            weights = _GroupAddress(weight_sync_backend, "127.0.0.1", store.port, self.sender.layout)
-        self.channels = _Channels(context, weights, capacity=max_staleness + 1)
-        self._write(model, spec.first_version, num_generations)
-        self.process = context.Process(target=_worker_main, args=(spec, self.channels), daemon=True)
-        self.process.start()
-        self.worker_pid = self.process.pid
-
-    def wait_until_ready(self) -> None:
-        """Wait until the worker has built its model and engine (seconds the trainer keeps off the training clock,
-        as it does its own set-up); a worker that fails meanwhile raises its error."""
-        while not self.channels.ready.wait(POLL_SECONDS):
-            if not self.process.is_alive() or not self.channels.batches.empty():
-                self._receive()
-
-    # ------------------------------------------------------------------ batches
-    def take(self, step: int, should_stop: Any = None) -> ProducedBatch | None:
-        """The batch of ``step``, waiting for the worker if need be (None if ``should_stop()`` turns true while
-        waiting); a dead worker raises :class:`~pods.errors.RolloutWorkerError`."""
-        while step not in self.ready:
-            if should_stop is not None and should_stop():
-                self.abandoned = True  # a checkpoint now cannot wait for the batches in flight
-                return None
-            self._receive()
-        return self.ready.pop(step)
-
-    def in_flight(self, step: int) -> list[ProducedBatch]:
-        """The batches of steps ``step``, ``step + 1``, ... that weights of version ``step`` could not sample again
-        (their version is older), waiting for them: what a checkpoint after ``step`` steps must hold."""
-        if self.abandoned:  # a stop came while waiting for a batch: they are sampled again on resume
-            return []
-        wanted = [
-            t
-            for t in range(step, step + self.max_staleness)
-            if sampler_version(t, self.max_staleness, self.sync_every, self.first) < step
-        ]
-        for t in wanted:
-            while t not in self.ready:
-                self._receive()
-        return [self.ready[t] for t in wanted]
-
-    def _receive(self) -> None:
-        try:
-            item = self.channels.batches.get(timeout=POLL_SECONDS)
-        except queue.Empty:
-            if not self.process.is_alive():
-                raise RolloutWorkerError(
-                    f"the rollout worker (pid {self.worker_pid}) died with exit code {self.process.exitcode} "
-                    "without a report (killed?)"
-                ) from None
-            return
-        if isinstance(item, _WorkerFailure):
-            raise item.error()
-        self.ready[item.step] = item
-
-    # ------------------------------------------------------------------ weights
-    def publish(self, model: torch.nn.Module, version: int, num_generations: int) -> bool:
-        """Copy the trainable weights for the worker if the schedule samples with ``version`` (the optimizer
-        steps applied), after the worker has taken the previous version; whether it did."""
-        if version <= self.first or version % self.sync_every:
-            return False
-        channels = self.channels
-        with channels.changed:
-            while channels.taken.value < channels.published.value:  # the worker still needs the previous one
-                if not channels.changed.wait(POLL_SECONDS) and not self.process.is_alive():
-                    self._receive()  # raises with the worker's report, or that it died
-        self._write(model, version, num_generations)
-        return True
-
-    def _write(self, model: torch.nn.Module, version: int, num_generations: int) -> None:
-        """Copy the weights where the worker takes them (shared memory, or the sender's staging buffers, sent
-        from a background thread), then publish their version."""
-        channels = self.channels
-        if self.sender is not None:
-            self.sender.send(_trainable(model))
-        with channels.changed, torch.no_grad():
-            if self.sender is None:
-                for name, parameter in _trainable(model):
-                    channels.weights[name].copy_(parameter.detach())
-            channels.num_generations.value = num_generations
-            channels.published.value = version
-            channels.changed.notify_all()
-
-    # ------------------------------------------------------------------ end
-    def close(self) -> None:
-        """Stop the worker (a flag it checks between batches; terminated, then killed, if it does not stop)."""
-        self.channels.stop.set()
-        with self.channels.changed:
-            self.channels.changed.notify_all()
-        with contextlib.suppress(Exception):
-            while True:  # free the queue so that a worker blocked on a full queue can see the flag
-                self.channels.batches.get_nowait()
-        self.process.join(CLOSE_SECONDS)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(CLOSE_SECONDS)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-
-
-def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The weights an update changes, the ones the worker receives."""
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
@@ -340,48 +202,37 @@ def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _WorkerFailure:
-    """An error in the worker, sent to the trainer instead of a batch (the exception class's name and the
-    worker's traceback: the trainer raises it as a RolloutWorkerError, or as the pods error it was)."""
-
-    kind: str
-    message: str
-    trace: str
-
-    def error(self) -> Exception:
-        from pods import errors
-
-        cls = getattr(errors, self.kind, None)
-        if isinstance(cls, type) and issubclass(cls, Exception) and cls is not RolloutWorkerError:
-            error = cls(self.message)
-            error.from_rollout_worker = True  # type: ignore[attr-defined]  # the trainer checkpoints first
-            return error
-        return RolloutWorkerError(f"the rollout worker failed: {self.kind}: {self.message}\n{self.trace}")
-
-
-def from_rollout_worker(error: BaseException) -> bool:
-    """Whether ``error`` is a rollout worker's failure (its death, or its own error, e.g. a reward function's)."""
-    return isinstance(error, RolloutWorkerError) or getattr(error, "from_rollout_worker", False)
-
-
-def _worker_main(spec: WorkerSpec, channels: _Channels) -> None:
-    """The worker's loop: for each step in turn, wait for the weights its batch is sampled by, load them, run
-    stages 0-2 and queue the batch."""
+def worker_main(
+    spec: WorkerSpec,
+    weights: dict[str, torch.Tensor] | GroupAddress,
+    incoming: Connection,
+    outgoing: Connection,
+) -> None:
+    """The worker process: build its own policy copy, engine and producer, then for each step in turn wait for
+    the weights its batch is sampled by, load them, run stages 0-2 and send the batch. It ends when the trainer
+    closes the link or sends SIGTERM (its engine stopped first), and reports any error of its own."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops the worker (Ctrl-C reaches both)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    link = Link(incoming, outgoing)
     try:
+        fault_point("worker_start")
         _place(spec.cores, spec.threads, spec.device)
-        _produce_forever(spec, channels)
+        _produce_forever(spec, weights, link)
+    except (PeerGone, SystemExit):  # the trainer is gone or stopped this worker: nothing to report
+        return
     except BaseException as error:  # everything reaches the trainer, which decides what it means
         with contextlib.suppress(Exception):
-            channels.batches.put(_WorkerFailure(type(error).__name__, str(error), traceback.format_exc()))
+            link.send(("failed", type(error).__name__, str(error), traceback.format_exc()))
         raise SystemExit(1) from None
 
 
-def _produce_forever(spec: WorkerSpec, channels: _Channels) -> None:
-    """Build the worker's own policy copy, engine and producer, then produce until told to stop."""
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _produce_forever(spec: WorkerSpec, weights: dict[str, torch.Tensor] | GroupAddress, link: Link) -> None:
+    """Build the worker's own policy copy, engine and producer, then produce until the trainer stops it."""
     from pods.config import TrainConfig
     from pods.models import load_policy
     from pods.rollout import build_engine
@@ -390,7 +241,7 @@ def _produce_forever(spec: WorkerSpec, channels: _Channels) -> None:
     workers = _workers(spec)
     policy = load_policy(config, _local_device(spec.device))
     model = policy.model.eval()
-    options = vllm_options(config, spec.cores)
+    options = vllm_options(config, spec.cores, spec.output_dir)
     if workers.num_processes > 1 and config.vllm_mode == "server":  # one server for every worker
         from pods.rollout.vllm_server import SharedServer
 
@@ -404,9 +255,9 @@ def _produce_forever(spec: WorkerSpec, channels: _Channels) -> None:
         vllm_options=options,
     )
     engine = BehaviourLogprobs(engine, model, config)
-    channels.ready.set()
     try:
-        _produce(spec, channels, config, model, engine, policy.tokenizer, workers)
+        link.send(("ready",))
+        _produce(spec, weights, link, config, model, engine, policy.tokenizer, workers)
     finally:
         engine.close()  # a vLLM server pods started stops with the worker
 
@@ -427,42 +278,40 @@ def _workers(spec: WorkerSpec) -> Any:
 
 def _produce(
     spec: WorkerSpec,
-    channels: _Channels,
+    weights: dict[str, torch.Tensor] | GroupAddress,
+    link: Link,
     config: Any,
     model: Any,
     engine: Any,
     tokenizer: Any,
     workers: Any,
 ) -> None:
-    from pods.producer import Producer, seed_step
+    from pods.producer import Producer, score_batch, seed_step
 
-    trainable = dict(_trainable(model))
-    incoming = _incoming_weights(channels.weights, trainable)
-    producer = Producer(
-        config, engine, tokenizer, spec.rows, reward_funcs=spec.reward_funcs, accelerator=workers
-    )
-    step, state, loaded = spec.start_step, spec.start_state, None
-    while not channels.stop.is_set():
+    def score(batch: list[dict[str, Any]], rollouts: Any) -> Any:
+        fault_point("worker_scoring")
+        return score_batch(spec.reward_funcs, config, batch, rollouts)
+
+    trainable = dict(trainable_parameters(model))
+    incoming = _incoming_weights(weights, trainable)
+    producer = Producer(config, engine, tokenizer, spec.rows, score=score, accelerator=workers)
+    step, state, loaded, published, num_generations = spec.start_step, spec.start_state, None, -1, 0
+    while True:
         want = sampler_version(step, config.max_staleness, config.weight_sync_steps, spec.first_version)
         waited = time.perf_counter()
-        with channels.changed:
-            while channels.published.value < want and not channels.stop.is_set():
-                channels.changed.wait(POLL_SECONDS)
-            if channels.stop.is_set():
-                return
-            if loaded != want:  # the published version is exactly ``want``: the trainer waits for this take
-                num_generations = int(channels.num_generations.value)
-        if loaded != want:
+        while published < want:  # the trainer publishes each version once the previous one is read
+            fault_point("worker_waiting_for_weights")
+            message = link.receive(POLL_SECONDS)
+            if message is not NOTHING:
+                _, published, num_generations = message
+        if loaded != want:  # the published version is exactly ``want``: the trainer waits for this read
             with torch.no_grad():
                 for name, tensor in incoming():
                     trainable[name].copy_(tensor)
-            with channels.changed:
-                channels.taken.value = want
-                channels.changed.notify_all()
-        idle = time.perf_counter() - waited
-        if loaded != want:
+            link.send(("taken", want))
             engine.sync_weights(model)
             loaded = want
+        idle = time.perf_counter() - waited
         seed_step(config.seed, step, spec.process_index)
         timer = StepTimer()
         sampled = producer.sample(state, step, num_generations, timer)
@@ -470,17 +319,12 @@ def _produce(
         batch = ProducedBatch(
             step, want, num_generations, sampled, after, skip_metrics, timer.seconds, idle, timer.spans
         )
-        while not channels.stop.is_set():
-            try:
-                channels.batches.put(batch, timeout=POLL_SECONDS)
-                break
-            except queue.Full:
-                continue
+        link.send(("batch", batch), on_full=lambda: fault_point("worker_queue_full"))
         step, state = step + 1, after
 
 
 def _incoming_weights(
-    weights: dict[str, torch.Tensor] | _GroupAddress, trainable: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor] | GroupAddress, trainable: dict[str, torch.Tensor]
 ) -> Any:
     """A function that returns the published weights, (name, tensor) pairs: the shared-memory tensors, or the
     next broadcast of the trainer's group (received on the worker's device), after checking that they are the
@@ -515,9 +359,12 @@ class BehaviourLogprobs:
         from pods.rollout import HFGenerateEngine
 
         if not isinstance(self.engine, HFGenerateEngine):  # vLLM: its own dtype, and it reports its log-probs
-            return self.engine.generate(prompts, num_generations, sampling)
+            rollouts = self.engine.generate(prompts, num_generations, sampling)
+            fault_point("worker_generating")
+            return rollouts
         with self.precision():
             rollouts = self.engine.generate(prompts, num_generations, sampling)
+        fault_point("worker_generating")
         with torch.no_grad(), self.precision():
             rollouts.sampling_logprobs = completion_logprobs(
                 self.model,
@@ -552,9 +399,10 @@ def mixed_precision(config: Any, device: torch.device) -> Any:
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
-def vllm_options(config: Any, cores: list[int] | None = None) -> dict[str, Any]:
+def vllm_options(config: Any, cores: list[int] | None = None, run_folder: str | Path = "") -> dict[str, Any]:
     """The vLLM engine's settings from a :class:`~pods.config.TrainConfig` (the trainer's and the worker's): the
-    colocated engine's, or with ``vllm_mode: server`` the server's."""
+    colocated engine's, or with ``vllm_mode: server`` the server's (a server pods starts logs into
+    ``run_folder``)."""
     max_model_length = config.vllm_max_model_length or (
         config.max_prompt_length and config.max_prompt_length + config.max_completion_length
     )
@@ -574,6 +422,7 @@ def vllm_options(config: Any, cores: list[int] | None = None) -> dict[str, Any]:
             "timeout": config.vllm_server_timeout,
             "weight_sync": config.vllm_server_weight_sync,
             "cores": cores,
+            "log_file": str(Path(run_folder) / SERVER_LOG_FILE) if run_folder else None,
         }
     return {
         **common,

@@ -20,8 +20,6 @@ spans processes, and gradients are synchronised as usual.
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -60,13 +58,14 @@ from pods.distributed import (
     synced_mean,
     synced_sum,
 )
-from pods.errors import ConfigError, NonFiniteError, PromptFilterExhausted, RolloutWorkerError
+from pods.errors import ConfigError, NonFiniteError, PromptFilterExhausted
 from pods.evaluation import EvalResult, evaluate, next_evaluation_seconds
+from pods.faults import fault_point
 from pods.interrupts import StopRequests, TrainingStopped
 from pods.metrics import JsonlLog, StepTimer, peak_memory_mb, read_jsonl, reward_metrics
 from pods.models import Policy, load_policy, load_reference, local_model_folder
 from pods.optimization import build_optimizer, build_scheduler
-from pods.producer import ProducedBatch, Producer, ProducerState, reward_components, score_batch, seed_step
+from pods.producer import ProducedBatch, Producer, reward_components, score_batch
 from pods.progress import TrainingProgress
 from pods.prompt_filter import (
     Groups,
@@ -76,18 +75,13 @@ from pods.prompt_filter import (
 )
 from pods.registries import check_names
 from pods.rollout import Rollouts, build_engine, choose_engine
+from pods.rollout_sources import LocalRollouts, RolloutSource, from_rollout_side, start_worker_rollouts
 from pods.rollout_worker import (
-    AsyncRollouts,
-    WorkerSpec,
     async_metrics,
-    check_picklable,
     fresh_in_flight,
-    from_rollout_worker,
     load_in_flight,
     require_async_with_several_processes,
     save_in_flight,
-    share_of_cores,
-    split_cores,
     vllm_options,
 )
 from pods.run_folder import require_shared_folder
@@ -251,7 +245,9 @@ class PODSTrainer:
             max_prompt_length=cfg.max_prompt_length,
             vllm_options=self._vllm_options(),
         )
-        self.rollouts: AsyncRollouts | None = None  # async_generation: the rollout worker, while train() runs
+        self.rollouts: RolloutSource | None = (
+            None  # where stages 0-2 run (here, or a rollout worker) in train()
+        )
         # stages 0-2 (prompts, generation, rewards), in this process or in a rollout worker
         self.producer = Producer(
             cfg, self.engine, self.tokenizer, self.train_rows, score=self._score, accelerator=acc
@@ -273,7 +269,7 @@ class PODSTrainer:
     def _vllm_options(self) -> dict[str, Any]:
         """The vLLM engine's settings here: each process seeds its own; several processes share one server."""
         cfg, acc = self.config, self.accelerator
-        options = {**vllm_options(cfg), "seed": cfg.seed + acc.process_index}
+        options = {**vllm_options(cfg, run_folder=self.output_dir), "seed": cfg.seed + acc.process_index}
         if cfg.vllm_mode == "server" and acc.num_processes > 1:
             from pods.rollout.vllm_server import SharedServer
 
@@ -289,19 +285,20 @@ class PODSTrainer:
             self.auto_log.append({"kind": "decision", **self.auto.first_decision().to_dict()})
         stop = StopRequests(reduce_max=(lambda v: int(synced_max(acc, v))) if acc.num_processes > 1 else None)
         progress = TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time)
-        with stop, progress, self._trackers(), self._rollout_worker(state, in_flight):
+        with stop, progress, self._trackers(), self._rollout_source(state, in_flight) as rollouts:
             progress.message(f"rollout engine: {cfg.rollout_engine} ({self.engine_reason})")
             if self.batches_sampled_again:
                 progress.message(
                     f"{self.batches_sampled_again} batch(es) in flight in the checkpoint were sampled more than "
                     f"max_staleness = {cfg.max_staleness} steps before they would train: sampled again"
                 )
-            if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
-                self._evaluate(state, progress)
-            with self._checkpoint_if_the_worker_fails(state):
+            with self._checkpoint_on_rollout_failure(state):
+                if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
+                    self._evaluate(state, progress)
                 while not self._finished(state) and not stop.agreed():
                     timer = StepTimer()
-                    batch = self._produce(state, timer, stop, progress)  # 0-2, here or in the rollout worker
+                    # 0-2, here or in the rollout worker
+                    batch = rollouts.batch(state, self._num_generations(), timer, stop.agreed)
                     if batch is None:  # a stop request during an unbounded filter's rounds: redone on resume
                         break
                     metrics = self._consume(state, batch, timer)  # 3-5, then the new weights to the sampler
@@ -315,36 +312,18 @@ class PODSTrainer:
                     if self._save_due(state):
                         self._save(state)
 
-            stopped = stop.agreed()  # once more on every process: a signal during the last step counts
-            if (
-                not stopped
-                and state.last_eval_seconds != state.train_seconds
-                and (cfg.eval_at_start or cfg.eval_every_seconds or cfg.eval_at_seconds)
-            ):
-                self._evaluate(state, progress)
-            checkpoint = self._save(state) if cfg.save_final or stopped else None
+                stopped = stop.agreed()  # once more on every process: a signal during the last step counts
+                if (
+                    not stopped
+                    and state.last_eval_seconds != state.train_seconds
+                    and (cfg.eval_at_start or cfg.eval_every_seconds or cfg.eval_at_seconds)
+                ):
+                    self._evaluate(state, progress, final=True)
+                checkpoint = self._save(state) if cfg.save_final or stopped else None
         if stopped:
             raise TrainingStopped(stop.agreed_signal, state.step, checkpoint, self.output_dir)
         evals = read_jsonl(self.eval_log.path) if self.eval_log.path.is_file() else []
         return TrainResult(self.output_dir, state.step, state.train_seconds, evals, checkpoint)
-
-    def _produce(
-        self, state: TrainerState, timer: StepTimer, stop: StopRequests, progress: TrainingProgress
-    ) -> ProducedBatch | None:
-        """Stages 0-2 of this step: skip prompts, generate n per prompt, score (with a prompt filter, in rounds);
-        taken from the rollout worker with ``async_generation``, else run here."""
-        if self.rollouts is not None:
-            return self._take_from_the_worker(state, timer, stop)
-        self._seed_step(state.step)
-        n = self._num_generations()
-        producing = ProducerState.of(state, self.config.prompts_per_step)
-        sampled = self.producer.sample(
-            producing, state.step, n, timer, should_stop=stop.agreed, progress=progress.message
-        )
-        if sampled is None:
-            return None
-        after, skip_metrics = self.producer.advance(producing, sampled)  # the cursor, the pass share, GRESO
-        return ProducedBatch(state.step, state.step, n, sampled, after, skip_metrics)
 
     def _consume(self, state: TrainerState, batch: ProducedBatch, timer: StepTimer) -> dict[str, Any]:
         """Stages 3-5 on this step's batch: m of n per group, their advantages, the update; then a colocated
@@ -359,9 +338,7 @@ class PODSTrainer:
             update = self._update(state, kept_rollouts, chosen.advantages.flatten(), trained.flatten())
         batch.state_after.into(state)
         state.step += 1
-        if self.rollouts is None:
-            with timer("sync"):  # the colocated vLLM engine samples the next step from the new weights
-                self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
+        self.rollouts.weights_updated(self.accelerator.unwrap_model(self.model), timer)
         state.train_seconds += synced_max(self.accelerator, timer.total)  # the slowest process sets the clock
         everything = sampled.all  # metrics describe every group generated, over the refill rounds
         metrics = self._step_metrics(
@@ -375,143 +352,64 @@ class PODSTrainer:
             trained_groups=groups.trained,
         )
         metrics.update(self._stage_metrics(sampled, groups, chosen, trained), **batch.skip_metrics)
-        if self.rollouts is not None:
+        if self.config.async_generation:
             metrics.update(async_metrics(batch))
             metrics["pods/async/batches_sampled_again"] = self.batches_sampled_again  # once, after a resume
             self.batches_sampled_again = 0
         if self.auto:
             seconds = dict(timer.seconds)
-            if self.rollouts is not None:  # generating is the worker's time; the trainer's waiting is neither
+            if (
+                self.config.async_generation
+            ):  # generating is the worker's time; the trainer's waiting is neither
                 seconds.pop("wait_for_rollouts", None)
                 seconds = {"generate": sum(batch.seconds.values()), "update": sum(seconds.values())}
             self._auto_step(state, everything.rewards, everything.per_function, seconds)
         return metrics
 
-    def _take_from_the_worker(
-        self, state: TrainerState, timer: StepTimer, stop: StopRequests
-    ) -> ProducedBatch | None:
-        """Publish the weights the schedule needs, then take this step's batch from the rollout worker. With
-        several trainer processes a failing worker stops every process at this step (each has its own worker)."""
-        acc = self.accelerator
-        unbounded = self.config.prompt_filter != "none" and self.config.max_num_gen_batches == 0
-
-        def take() -> ProducedBatch | None:
-            # The weights of the last update go to the worker here, not at the end of that step: it samples
-            # with them while this step updates, never during an evaluation or a checkpoint (off the clock).
-            with timer("sync"):
-                self.rollouts.publish(acc.unwrap_model(self.model), state.step, self._num_generations())
-            with timer("wait_for_rollouts"):  # a step is only abandoned where its rounds may never end
-                return self.rollouts.take(state.step, should_stop=stop.agreed if unbounded else None)
-
-        return self._on_every_process(take)
-
-    def _on_every_process(self, action: Callable[[], Any]) -> Any:
-        """Run ``action`` (a call on this process's rollout worker); with several trainer processes, a failure on
-        any of them is raised on all of them together, each worker's in one line, so that none waits for
-        another in a collective."""
-        acc = self.accelerator
-        if acc.num_processes == 1:
-            return action()
-        failure, result = None, None
-        try:
-            result = action()
-        except Exception as error:
-            failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        reports = every_process(acc, failure)
-        if any(reports):
-            raise RolloutWorkerError(
-                "rollout workers failed: "
-                + "; ".join(f"process {rank}: {report}" for rank, report in enumerate(reports) if report)
-            )
-        return result
-
     @contextlib.contextmanager
-    def _checkpoint_if_the_worker_fails(self, state: TrainerState):
-        """A rollout worker that died or failed ends the run with its error and a checkpoint of the last completed
-        step (the batches in flight are sampled again on resume)."""
-        try:
-            yield
-        except Exception as error:
-            if not from_rollout_worker(error):
-                raise
-            self.rollouts.abandoned = True
-            checkpoint = self._save(state)
-            cls = type(error)  # RolloutWorkerError, or the worker's own pods error (e.g. a reward function's)
-            raise cls(
-                f"{error}. The last completed step ({state.step}) is saved in {checkpoint}: resume with "
-                "resume_from: auto (its batches in flight are sampled again)"
-            ) from None
-
-    @contextlib.contextmanager
-    def _rollout_worker(self, state: TrainerState, in_flight: list[ProducedBatch]):
-        """With ``async_generation``: the rollout worker, on its own cores, for the loop's duration (stopped however
-        the loop ends; the trainer's cores and threads are given back)."""
-        cfg = self.config
-        if not cfg.async_generation:
-            yield
-            return
-        check_picklable(self.reward_funcs)
-        acc = self.accelerator
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        mine = share_of_cores(cores, acc.local_process_index, local_processes(acc))
-        trainer_cores, worker_cores = split_cores(mine, cfg.rollout_worker_threads)
-        group_host, group_port = self._workers_store()
-        threads = torch.get_num_threads()
-        spec = WorkerSpec(
-            config=cfg.to_dict(),
-            reward_funcs=self.reward_funcs,
-            rows=self.train_rows,
-            cores=worker_cores,
-            threads=max(1, len(worker_cores)),  # one torch thread per core it runs on
-            start_step=state.step + len(in_flight),
-            start_state=in_flight[-1].state_after
-            if in_flight
-            else ProducerState.of(state, cfg.prompts_per_step),
-            first_version=state.step,
-            device=self.worker_device,
-            process_index=acc.process_index,
-            num_processes=acc.num_processes,
-            group_host=group_host,
-            group_port=group_port,
-        )
-        try:
-            if trainer_cores:
-                os.sched_setaffinity(0, trainer_cores)
-            torch.set_num_threads(cfg.torch_threads or max(1, len(trainer_cores)))
-            self.rollouts = AsyncRollouts(
-                spec,
-                self.accelerator.unwrap_model(self.model),
-                max_staleness=cfg.max_staleness,
-                sync_every=cfg.weight_sync_steps,
-                num_generations=self._num_generations(),
-                pending=in_flight,
+    def _rollout_source(self, state: TrainerState, in_flight: list[ProducedBatch]):
+        """Where stages 0-2 run for the loop's duration: this process, or with ``async_generation`` a rollout
+        worker on its own cores (stopped however the loop ends)."""
+        cfg, acc = self.config, self.accelerator
+        if cfg.async_generation:
+            self.rollouts = start_worker_rollouts(
+                cfg,
+                acc,
+                acc.unwrap_model(self.model),
+                self.reward_funcs,
+                self.train_rows,
+                state,
+                in_flight,
+                device=self.worker_device,
                 weight_sync_backend=self.weight_sync_backend,
+                num_generations=self._num_generations(),
+                output_dir=self.output_dir,
             )
-            self._on_every_process(self.rollouts.wait_until_ready)
-            yield
+        else:
+            self.rollouts = LocalRollouts(
+                self.producer, self.engine, cfg.seed, acc.process_index, cfg.prompts_per_step
+            )
+        try:
+            yield self.rollouts
         finally:
-            if self.rollouts is not None:
-                self.rollouts.close()
-                self.rollouts = None
-            self._workers_store_server = None  # where the workers of several processes met
-            if cores:
-                os.sched_setaffinity(0, cores)
-            torch.set_num_threads(threads)
+            self.rollouts.close()
+            self.rollouts = None
 
-    def _workers_store(self) -> tuple[str, int]:
-        """With several trainer processes, where their rollout workers meet (a TCP store the main process serves,
-        on the launch's MASTER_ADDR); unused with one."""
-        acc = self.accelerator
-        if acc.num_processes == 1:
-            return "127.0.0.1", 0
-        from pods.process_groups import tcp_store
-
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = 0
-        if acc.is_main_process:
-            self._workers_store_server = tcp_store(host, 0, acc.num_processes, serve=True)
-            port = self._workers_store_server.port
-        return host, every_process(acc, port)[0]
+    @contextlib.contextmanager
+    def _checkpoint_on_rollout_failure(self, state: TrainerState):
+        """A failure of the rollout side (a dead or failing rollout worker, a lost vLLM server) ends the run with
+        its error and a checkpoint of the last completed step (batches in flight are sampled again on resume)."""
+        try:
+            yield
+        except Exception as error:
+            if not from_rollout_side(error):
+                raise
+            self.rollouts.abandon()
+            checkpoint = self._save(state)
+            raise type(error)(
+                f"{error}. The last completed step ({state.step}) is saved in {checkpoint}: resume with "
+                "resume_from: auto"
+            ) from None
 
     @contextlib.contextmanager
     def _trackers(self):
@@ -697,10 +595,14 @@ class PODSTrainer:
             self.auto_log.append({"kind": "decision", **decision.to_dict()})
 
     # ------------------------------------------------------------------ evaluation
-    def _evaluate(self, state: TrainerState, progress: TrainingProgress) -> EvalResult | None:
+    def _evaluate(
+        self, state: TrainerState, progress: TrainingProgress, final: bool = False
+    ) -> EvalResult | None:
         cfg = self.config
         if self.eval_dataset is None or len(self.eval_dataset) == 0:
             return None
+        if final:
+            fault_point("trainer_final_evaluation", kill=getattr(self.rollouts, "kill", None))
         result = evaluate(
             self.accelerator.unwrap_model(self.model),
             self.tokenizer,
@@ -744,12 +646,18 @@ class PODSTrainer:
         state.last_save_seconds = state.train_seconds
         weights = exported_state_dict(self.accelerator, self.model)  # every process: gathers if sharded
         in_flight = self.rollouts.in_flight(state.step) if self.rollouts is not None else []
+        kill = getattr(self.rollouts, "kill", None)
+
+        def export(folder: Path) -> None:
+            fault_point("trainer_checkpointing", kill=kill)
+            self._export(folder, weights)
+
         folder = save_checkpoint(
             self.accelerator,
             self.checkpoint_root,
             state,
             self.config.save_total_limit,
-            export=lambda folder: self._export(folder, weights),
+            export=export,
             scheduler=self.scheduler,
             base_model=self.base_model,
             each_process=lambda folder: save_in_flight(folder, in_flight, self.accelerator.process_index),
@@ -805,10 +713,6 @@ class PODSTrainer:
         return (cfg.max_steps is not None and state.step >= cfg.max_steps) or (
             cfg.max_time is not None and state.train_seconds >= cfg.max_time
         )
-
-    def _seed_step(self, step: int) -> None:
-        """Reseed per step (and process): sampling after a resume matches an uninterrupted run exactly."""
-        seed_step(self.config.seed, step, self.accelerator.process_index)
 
     def _selection_generator(self, step: int) -> torch.Generator:
         return torch.Generator().manual_seed(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -45,7 +46,9 @@ import torch
 
 from pods.child_process import die_with_parent
 from pods.config import SERVER_WEIGHT_SYNCS
+from pods.distributed import failure_of, raise_any_failure
 from pods.errors import ConfigError, VLLMServerError
+from pods.faults import fault_point
 from pods.rollout.base import (
     Rollouts,
     SamplingParams,
@@ -126,6 +129,7 @@ def serve_command(folder: str, host: str, port: int, *, dtype: str, max_model_le
         command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     else:
         command += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(kv_cache_gb * 2**30))]
+        command += ["--no-enable-chunked-prefill"]
     return command
 
 
@@ -150,6 +154,7 @@ class VLLMServerEngine:
         cores: list[int] | None = None,
         share: SharedServer | None = None,
         weight_sync: str = "auto",
+        log_file: str | None = None,
     ) -> None:
         from pods.rollout.vllm import _base_model, _save_unquantized_config, engine_dtype
 
@@ -165,6 +170,7 @@ class VLLMServerEngine:
         self.share = share
         self.leads = share is None or share.is_main  # starts the server and pushes the weights
         self.process: subprocess.Popen | None = None
+        self.log_file: str | None = None  # where the server pods started writes its log
         self.stale = True  # the server's weights are not (or no longer known to be) the policy's
         self.weight_sync = _resolve_weight_sync(weight_sync, base_url, self.on_gpu)
         self.sender: Any = None  # a WeightSender, over a group with the server (weight_sync gloo or nccl)
@@ -190,7 +196,9 @@ class VLLMServerEngine:
             environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
             if cores:
                 environment["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-            self._log = open(os.path.join(self._folder, "server.log"), "w")  # noqa: SIM115 - the server's lifetime
+            # the server's log: in the run folder (kept after the run), else beside its files
+            self.log_file = log_file or os.path.join(self._folder, "server.log")
+            self._log = open(self.log_file, "w")  # noqa: SIM115 - the server's lifetime
             self.process = subprocess.Popen(
                 command,
                 stdout=self._log,
@@ -215,8 +223,8 @@ class VLLMServerEngine:
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise VLLMServerError(
-                    f"the vLLM server pods started exited with code {self.process.returncode} before it was ready; "
-                    f"its log: {self._tail_of_log()}"
+                    f"the vLLM server pods started exited with code {self.process.returncode} before it was "
+                    f"ready{self._cause()}"
                 )
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
@@ -244,9 +252,9 @@ class VLLMServerEngine:
                     text = response.read().decode()
                     return json.loads(text) if text else None
             except urllib.error.HTTPError as error:
-                detail = error.read().decode()[:500]
+                detail = " ".join(error.read().decode()[:300].split())
                 raise VLLMServerError(
-                    f"the vLLM server at {self.base_url} refused {path}: {error.code} {detail}"
+                    f"the vLLM server at {self.base_url} refused {path}: {error.code} {detail}{self._cause()}"
                 ) from None
             except TimeoutError:
                 raise VLLMServerError(
@@ -255,9 +263,14 @@ class VLLMServerEngine:
                 ) from None
             except (urllib.error.URLError, ConnectionError, OSError) as error:
                 self.stale = True  # a restarted server has other weights: push them again before sampling
-                if time.monotonic() > deadline or (
-                    self.process is not None and self.process.poll() is not None
-                ):
+                if self.process is not None and self.process.poll() is not None:
+                    code = self.process.returncode
+                    how = f" ({signal.Signals(-code).name})" if code < 0 else ""
+                    raise VLLMServerError(
+                        f"the vLLM server pods started (pid {self.process.pid}) exited with code {code}{how} "
+                        f"during {path}{self._cause()}"
+                    ) from None
+                if time.monotonic() > deadline:
                     raise VLLMServerError(
                         f"the vLLM server at {self.base_url} is not reachable ({error}) after "
                         f"vllm_server_timeout = {self.timeout:g} s of retries"
@@ -359,6 +372,7 @@ class VLLMServerEngine:
 
             def ask() -> None:
                 nonlocal answer
+                fault_point("server_generating", kill=self._kill_when_busy)
                 answer = self._post("/v1/completions", body)
 
             if not self._agree(self._error_of(ask), self.stale):
@@ -380,24 +394,32 @@ class VLLMServerEngine:
 
     def _error_of(self, action: Callable[[], None]) -> str | None:
         """Run ``action``; its :class:`VLLMServerError` as text (raised at once with no other process to tell)."""
-        if self.share is None:
-            action()
-            return None
-        try:
-            action()
-        except VLLMServerError as error:
-            return str(error)
-        return None
+        return failure_of(action, VLLMServerError, alone=self.share is None)[1]
 
     def _agree(self, error: str | None, stale: bool) -> bool:
         """Raise any process's error on every process; else whether any process found the server's weights stale
         (then all of them push and ask again)."""
-        reports = self._every_process((error, stale))
-        errors = [(rank, text) for rank, (text, _) in enumerate(reports) if text]
-        if errors:
-            rank, text = errors[0]
-            raise VLLMServerError(text if self.share is None else f"process {rank}: {text}")
-        return any(flag for _, flag in reports)
+        return any(raise_any_failure(self._every_process, error, VLLMServerError, stale))
+
+    def _kill_when_busy(self) -> None:
+        """Fault injection: SIGKILL the server pods started as soon as its metrics show a request running."""
+        import threading
+
+        def watch() -> None:
+            while self.process is not None and self.process.poll() is None:
+                try:
+                    with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=5) as response:
+                        running = re.search(
+                            r"^vllm:num_requests_running\{[^}]*\} (\S+)", response.read().decode(), re.M
+                        )
+                except OSError:
+                    running = None
+                if running and float(running.group(1)) > 0:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                    return
+                time.sleep(0.01)
+
+        threading.Thread(target=watch, daemon=True).start()
 
     def round_multiple(self, num_generations: int) -> int:
         from pods.rollout.vllm import VLLM_MAX_NUM_SEQS
@@ -411,12 +433,22 @@ class VLLMServerEngine:
         self._finalizer()
         self.process = None
 
-    def _tail_of_log(self) -> str:
-        path = os.path.join(self._folder, "server.log")
-        try:
-            return Path(path).read_text()[-2000:]
-        except OSError:
-            return "(no log)"
+    def _cause(self) -> str:
+        """Where pods started the server: the last error its log names, and where the log is (one line)."""
+        if self.log_file is None:
+            return ""
+        self._log.flush()
+        return f"; its log says: {server_log_cause(self.log_file)} (the whole log: {self.log_file})"
+
+
+def server_log_cause(path: str) -> str:
+    """The last line of a vLLM server's log that names an error (``SomeError: ...``), else its last line."""
+    try:
+        lines = [line.strip() for line in Path(path).read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no log)"
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", line)]
+    return (errors or lines or ["(empty)"])[-1][:300]
 
 
 def _stop(process: subprocess.Popen | None, folder: str) -> None:
