@@ -2,8 +2,9 @@
 events rather than by a timer (docs/reliability.md). ``PODS_FAULT=<point>`` arms one point for a run (the rollout
 worker inherits it): there the rollout worker or the vLLM server pods started is killed (SIGKILL), by itself or by
 the trainer; ``PODS_FAULT=<point>:<SIGNAL>`` instead sends SIGNAL (SIGTERM, SIGINT, SIGKILL) to the process that
-reaches the point. A point fires once per process; before it acts it writes its name to the file
-``PODS_FAULT_MARK`` names, so that a test knows it fired. Unarmed, a point costs one environment lookup.
+reaches the point; ``<point>@K`` fires the K-th time a process reaches it (default the first), and only then.
+Before it acts a point writes its name to the file ``PODS_FAULT_MARK`` names, so that a test knows it fired.
+Unarmed, a point costs one environment lookup.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["FAULT_ENV", "FAULT_MARK_ENV", "POINTS", "fault_point"]
+__all__ = ["FAULT_ENV", "FAULT_MARK_ENV", "POINTS", "fault_point", "reset"]
 
 FAULT_ENV = "PODS_FAULT"
 FAULT_MARK_ENV = "PODS_FAULT_MARK"
@@ -30,22 +31,33 @@ POINTS = {
     "trainer_final_evaluation": "the trainer, in the evaluation after the last step",
     "server_generating": "a vLLM server pods started, while it answers a generation request",
 }
-_fired: set[str] = set()
+_reached: dict[str, int] = {}  # times each armed point was reached in this process
 
 
 def fault_point(name: str, kill: Callable[[], None] | None = None) -> None:
     """Where ``PODS_FAULT`` arms ``name``: kill the process this point is about (``kill()``; without one, the
     process that reaches the point), or send this process the signal the setting names."""
     armed = os.environ.get(FAULT_ENV)
-    if not armed or armed.split(":")[0] != name or name in _fired:
+    if not armed:
         return
-    _fired.add(name)
+    point, _, action = armed.partition(":")
+    point, _, times = point.partition("@")
+    if point != name:
+        return
+    _reached[name] = _reached.get(name, 0) + 1
+    if _reached[name] != int(times or 1):
+        return
     mark = os.environ.get(FAULT_MARK_ENV)
     if mark:
         Path(mark).write_text(name)
-    if ":" in armed:
-        os.kill(os.getpid(), signal.Signals[armed.split(":")[1]])
+    if action:
+        os.kill(os.getpid(), signal.Signals[action])
     elif kill is not None:
         kill()
     else:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def reset() -> None:
+    """Forget how often each point was reached (a test that runs several trainings in one process)."""
+    _reached.clear()

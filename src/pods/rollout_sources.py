@@ -63,9 +63,6 @@ class RolloutSource(Protocol):
     def in_flight(self, step: int) -> list[ProducedBatch]:
         """The batches sampled ahead that a checkpoint after ``step`` steps must hold to resume exactly."""
 
-    def abandon(self) -> None:
-        """The run ends on a failure: a checkpoint now holds no batch in flight (they are sampled again)."""
-
     def close(self) -> None:
         """Stop what the source started (a worker, its engine); safe to call twice."""
 
@@ -108,9 +105,6 @@ class LocalRollouts:
 
     def in_flight(self, step: int) -> list[ProducedBatch]:
         return []
-
-    def abandon(self) -> None:
-        pass
 
     def close(self) -> None:
         pass
@@ -195,7 +189,7 @@ class WorkerRollouts:
     def in_flight(self, step: int) -> list[ProducedBatch]:
         """The batches of steps ``step``, ``step + 1``, ... that weights of version ``step`` could not sample again
         (their version is older), waiting for them; a worker that died meanwhile raises."""
-        if self.abandoned:  # a stop or a failure came while waiting for a batch: sampled again on resume
+        if self.abandoned:  # a stop request came while waiting for a batch: they are sampled again on resume
             return []
         wanted = [
             t
@@ -207,9 +201,6 @@ class WorkerRollouts:
                 self._receive(POLL_SECONDS)
         self._receive_all()  # a worker that died is not checkpointed as if it were alive
         return [self.ready[t] for t in wanted]
-
-    def abandon(self) -> None:
-        self.abandoned = True
 
     def close(self) -> None:
         """Stop the worker (its pipes closed, then SIGTERM: it stops its engine and exits; killed if it has not

@@ -214,6 +214,7 @@ def worker_main(
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops the worker (Ctrl-C reaches both)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _no_shared_locks()
     link = Link(incoming, outgoing)
     try:
         fault_point("worker_start")
@@ -229,6 +230,19 @@ def worker_main(
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(0)
+
+
+def _no_shared_locks() -> None:
+    """No progress bars in the worker (the trainer shows the run's) and no multiprocessing lock for tqdm: a worker
+    killed while it holds one would leave the trainer's resource tracker a semaphore to warn about at exit."""
+    import threading
+
+    import tqdm
+    from transformers.utils import logging
+
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    logging.disable_progress_bar()
+    tqdm.tqdm.set_lock(threading.RLock())
 
 
 def _produce_forever(spec: WorkerSpec, weights: dict[str, torch.Tensor] | GroupAddress, link: Link) -> None:

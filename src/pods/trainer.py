@@ -285,41 +285,47 @@ class PODSTrainer:
             self.auto_log.append({"kind": "decision", **self.auto.first_decision().to_dict()})
         stop = StopRequests(reduce_max=(lambda v: int(synced_max(acc, v))) if acc.num_processes > 1 else None)
         progress = TrainingProgress(cfg.progress and acc.is_main_process, cfg.max_steps, cfg.max_time)
-        with stop, progress, self._trackers(), self._rollout_source(state, in_flight) as rollouts:
+        # a failure of the rollout side ends the run with a checkpoint of the last completed step
+        checkpointing = self._checkpoint_on_rollout_failure(state)
+        with (
+            stop,
+            progress,
+            self._trackers(),
+            checkpointing,
+            self._rollout_source(state, in_flight) as rollouts,
+        ):
             progress.message(f"rollout engine: {cfg.rollout_engine} ({self.engine_reason})")
             if self.batches_sampled_again:
                 progress.message(
                     f"{self.batches_sampled_again} batch(es) in flight in the checkpoint were sampled more than "
                     f"max_staleness = {cfg.max_staleness} steps before they would train: sampled again"
                 )
-            with self._checkpoint_on_rollout_failure(state):
-                if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
+            if cfg.eval_at_start and state.step == 0 and state.last_eval_seconds is None:
+                self._evaluate(state, progress)
+            while not self._finished(state) and not stop.agreed():
+                timer = StepTimer()
+                batch = rollouts.batch(state, self._num_generations(), timer, stop.agreed)  # 0-2
+                if batch is None:  # a stop request during an unbounded filter's rounds: redone on resume
+                    break
+                metrics = self._consume(state, batch, timer)  # 3-5, then the new weights to the sampler
+                self.metrics_log.append(metrics)
+                if cfg.report_to:
+                    acc.log(metrics, step=state.step)
+                progress.update(state.step, state.train_seconds, metrics)
+
+                if self._eval_due(state):
                     self._evaluate(state, progress)
-                while not self._finished(state) and not stop.agreed():
-                    timer = StepTimer()
-                    # 0-2, here or in the rollout worker
-                    batch = rollouts.batch(state, self._num_generations(), timer, stop.agreed)
-                    if batch is None:  # a stop request during an unbounded filter's rounds: redone on resume
-                        break
-                    metrics = self._consume(state, batch, timer)  # 3-5, then the new weights to the sampler
-                    self.metrics_log.append(metrics)
-                    if cfg.report_to:
-                        acc.log(metrics, step=state.step)
-                    progress.update(state.step, state.train_seconds, metrics)
+                if self._save_due(state):
+                    self._save(state)
 
-                    if self._eval_due(state):
-                        self._evaluate(state, progress)
-                    if self._save_due(state):
-                        self._save(state)
-
-                stopped = stop.agreed()  # once more on every process: a signal during the last step counts
-                if (
-                    not stopped
-                    and state.last_eval_seconds != state.train_seconds
-                    and (cfg.eval_at_start or cfg.eval_every_seconds or cfg.eval_at_seconds)
-                ):
-                    self._evaluate(state, progress, final=True)
-                checkpoint = self._save(state) if cfg.save_final or stopped else None
+            stopped = stop.agreed()  # once more on every process: a signal during the last step counts
+            if (
+                not stopped
+                and state.last_eval_seconds != state.train_seconds
+                and (cfg.eval_at_start or cfg.eval_every_seconds or cfg.eval_at_seconds)
+            ):
+                self._evaluate(state, progress, final=True)
+            checkpoint = self._save(state) if cfg.save_final or stopped else None
         if stopped:
             raise TrainingStopped(stop.agreed_signal, state.step, checkpoint, self.output_dir)
         evals = read_jsonl(self.eval_log.path) if self.eval_log.path.is_file() else []
@@ -371,7 +377,7 @@ class PODSTrainer:
         """Where stages 0-2 run for the loop's duration: this process, or with ``async_generation`` a rollout
         worker on its own cores (stopped however the loop ends)."""
         cfg, acc = self.config, self.accelerator
-        if cfg.async_generation:
+        if cfg.async_generation:  # started (ready) or closed again when this raises
             self.rollouts = start_worker_rollouts(
                 cfg,
                 acc,
@@ -398,13 +404,13 @@ class PODSTrainer:
     @contextlib.contextmanager
     def _checkpoint_on_rollout_failure(self, state: TrainerState):
         """A failure of the rollout side (a dead or failing rollout worker, a lost vLLM server) ends the run with
-        its error and a checkpoint of the last completed step (batches in flight are sampled again on resume)."""
+        its error and a checkpoint of the last completed step, saved once the rollout side is closed (its batches
+        in flight are sampled again on resume)."""
         try:
             yield
         except Exception as error:
             if not from_rollout_side(error):
                 raise
-            self.rollouts.abandon()
             checkpoint = self._save(state)
             raise type(error)(
                 f"{error}. The last completed step ({state.step}) is saved in {checkpoint}: resume with "
