@@ -110,12 +110,27 @@ def test_a_server_down_is_an_error_after_the_timeout_not_a_hang() -> None:
     assert time.monotonic() - started < 20
 
 
-def test_a_server_pods_starts_samples_the_policy_and_takes_new_weights() -> None:
+def test_a_server_pods_starts_samples_the_policy_and_takes_new_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """... also at a batch that splits prefills on the CPU (256 sequences of ~40-token prompts: chunked prefill
+    would rewind each request's seeded generator, which a CPU generator cannot), repeatably; killed mid-request,
+    the error names the server, how it ended and its log, which stays where it was asked to be."""
+    from pods import faults
+
     assert vllm_unavailable_reason() is None
     model, tokenizer = embedded()
-    engine = VLLMServerEngine(model, tokenizer, kv_cache_gb=0.25, timeout=300)
+    log = tmp_path / "vllm_server.log"
+    engine = VLLMServerEngine(model, tokenizer, kv_cache_gb=0.25, timeout=300, log_file=str(log))
     pid = engine.process.pid
     try:
+        many = [f"{PROMPTS[0]} {PROMPTS[1]} Then {i} more." for i in range(16)]
+        hot = SamplingParams(max_new_tokens=8, temperature=1.0)
+        torch.manual_seed(3)
+        big = engine.generate(many, 16, hot)
+        assert big.prompt_mask.sum(dim=1).float().mean() > 30 and len(big.texts) == 256
+        torch.manual_seed(3)
+        assert engine.generate(many, 16, hot).texts == big.texts
         assert engine.generate(PROMPTS, 1, GREEDY).texts == hf_greedy(model, tokenizer)
         hot = SamplingParams(max_new_tokens=24, temperature=1.0)
         torch.manual_seed(7)  # each request's seed comes from torch's generator: a resumed step samples alike
@@ -148,9 +163,20 @@ def test_a_server_pods_starts_samples_the_policy_and_takes_new_weights() -> None
             model, again.prompt_ids, again.prompt_mask, again.completion_ids, again.completion_mask
         )
         assert (old_view[mask] - again.sampling_logprobs[mask]).abs().max() > 1e-2
+
+        monkeypatch.setenv(faults.FAULT_ENV, "server_generating")
+        faults.reset()
+        with pytest.raises(VLLMServerError) as error:
+            engine.generate(many, 16, SamplingParams(max_new_tokens=24, temperature=1.0))
+        text = str(error.value)
+        assert (
+            "\n" not in text and f"(pid {pid}) exited with code -9 (SIGKILL) during /v1/completions" in text
+        )
+        assert f"(the whole log: {log})" in text
     finally:
         engine.close()
     assert not alive(pid), "the server pods started outlived its engine"
+    assert log.stat().st_size > 0  # kept
 
 
 def test_a_server_given_by_url_that_restarts_gets_the_weights_again(
@@ -262,3 +288,50 @@ def test_a_server_down_stops_every_trainer_process_with_its_error(
     message = f"127.0.0.1:{port} did not answer /health within vllm_server_timeout = 3 s"
     assert result.stderr.count(message) >= 2, result.stderr[-3000:]  # raised on both processes
     assert time.monotonic() - started < 150
+
+
+def test_the_cause_of_a_server_error_is_the_first_exception_its_log_names(tmp_path: Path) -> None:
+    from pods.rollout.vllm_server import server_log_cause
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(APIServer pid=1) INFO 12-06 01:49:28 [api_server.py:1] Started\n"
+        "(Worker pid=2) ERROR 12-06 01:49:51 [multiproc_executor.py:1058] Traceback (most recent call last):\n"
+        "(Worker pid=2) ERROR 12-06 01:49:51 [multiproc_executor.py:1058] RuntimeError: CPU Generator does not use offset\n"
+        "(APIServer pid=1) ERROR 12-06 01:49:51 [async_llm.py:871] vllm.v1.engine.exceptions.EngineDeadError: "
+        "EngineCore encountered an issue. See stack trace (above) for the root cause.\n"
+        'INFO:     127.0.0.1:47382 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error\n'
+    )
+    assert server_log_cause(str(log)) == "RuntimeError: CPU Generator does not use offset"
+    log.write_text("(APIServer pid=1) INFO 12-06 01:49:28 [api_server.py:1] Started\nKilled\n\n")
+    assert server_log_cause(str(log)) == "Killed"  # no exception named: the last line
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_server_killed_mid_request_ends_pods_train_with_its_cause_and_a_checkpoint(
+    asynchronous: bool, tiny_vllm_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """`pods train` in server mode (sync, and async where the rollout worker starts the server): the server pods
+    started is SIGKILLed while it answers the second step's request; one line naming it and its log (kept in the
+    run folder), exit 2, a checkpoint of step 1, no process left."""
+    from test_rollout_faults import arguments, last_step, processes_started_here
+
+    from pods import faults
+    from pods.checkpoint import checkpoint_step, list_checkpoints
+    from pods.cli import main
+
+    output = tmp_path / "run"
+    monkeypatch.setenv(faults.FAULT_ENV, "server_generating@2")
+    faults.reset()
+    settings = {"rollout_engine": "vllm", "vllm_mode": "server", "vllm_cpu_kv_cache_gb": 0.25}
+    code = main(
+        arguments(tiny_vllm_model_dir, output, async_generation=str(asynchronous).lower(), **settings)
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    [line] = [line for line in err.splitlines() if "Loading weights" not in line]
+    assert "exited with code -9 (SIGKILL) during /v1/completions" in line, line
+    assert f"(the whole log: {output / 'vllm_server.log'})" in line and "resume_from: auto" in line
+    assert (output / "vllm_server.log").stat().st_size > 0
+    assert last_step(output) == 1 and checkpoint_step(list_checkpoints(output / "checkpoints")[-1]) == 1
+    assert not processes_started_here()

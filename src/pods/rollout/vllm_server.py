@@ -442,13 +442,15 @@ class VLLMServerEngine:
 
 
 def server_log_cause(path: str) -> str:
-    """The last line of a vLLM server's log that names an error (``SomeError: ...``), else its last line."""
+    """The root cause a vLLM server's log names: its first ``SomeError: ...`` line (the later ones say "see the
+    stack trace above"), without vLLM's ``(Worker pid=N) ERROR date [file:line]`` prefix; else its last line."""
     try:
-        lines = [line.strip() for line in Path(path).read_text(errors="replace").splitlines() if line.strip()]
+        lines = Path(path).read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
-    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", line)]
-    return (errors or lines or ["(empty)"])[-1][:300]
+    lines = [re.sub(r"^(\([^)]*\) )?([A-Z]+ [\d-]+ [\d:]+ \[[^\]]*\] )?", "", line).strip() for line in lines]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*: ", line)]
+    return (errors or [line for line in lines if line] or ["(empty)"])[0 if errors else -1][:300]
 
 
 def _stop(process: subprocess.Popen | None, folder: str) -> None:
