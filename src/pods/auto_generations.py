@@ -243,6 +243,21 @@ class AutoGenerations:
         self.current = self.explore[0]
         self.observations: list[dict[str, Any]] = []
 
+    @classmethod
+    def of(cls, config: Any) -> AutoGenerations | None:
+        """The chooser a :class:`~pods.config.TrainConfig` asks for (``num_generations: auto``), else None."""
+        if config.num_generations != "auto":
+            return None
+        low, high = config.generation_bounds
+        return cls(
+            config.num_generations_kept,
+            low,
+            high,
+            config.selection_rule,
+            config.num_generations_every,
+            overlapped=config.async_generation,
+        )
+
     def first_decision(self) -> Decision:
         """The n of the first steps, before anything is measured (the first exploratory window)."""
         return Decision(step=0, num_generations=self.explore[0], reason="exploring (window 1)")

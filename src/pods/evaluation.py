@@ -128,3 +128,32 @@ def _maybe_progress(items: range, enabled: bool, description: str):
     from rich.progress import track
 
     return track(items, description=description, transient=True)
+
+
+def evaluate_with_config(
+    config: Any,
+    model: Any,
+    tokenizer: Any,
+    dataset: Any,
+    accuracy_fn: Any,
+    prompt_style: str,
+    *,
+    accelerator: Any = None,
+    engine: Any = None,
+) -> EvalResult:
+    """:func:`evaluate` with a :class:`~pods.config.TrainConfig`'s evaluation settings (a training run's)."""
+    return evaluate(
+        model,
+        tokenizer,
+        dataset,
+        accuracy_fn,
+        protocol=config.eval_protocol,
+        samples=config.eval_samples,
+        temperature=config.eval_temperature,
+        max_new_tokens=config.max_completion_length,
+        batch_size=config.eval_batch_size,
+        prompt_style=prompt_style,
+        stop_strings=tuple(config.stop_strings),
+        accelerator=accelerator,
+        engine=engine,
+    )

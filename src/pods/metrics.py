@@ -9,6 +9,7 @@ import json
 import math
 import resource
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +135,14 @@ def peak_memory_mb() -> float:
         torch.cuda.reset_peak_memory_stats()
         return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@contextlib.contextmanager
+def trackers_closed(accelerator: Any, enabled: bool) -> Iterator[None]:
+    """Flush and close accelerate's trackers (TensorBoard, W&B, ...) however the block ends: done, stopped or
+    failed."""
+    try:
+        yield
+    finally:
+        if enabled:
+            accelerator.end_training()

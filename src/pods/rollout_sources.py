@@ -36,11 +36,19 @@ from pods.rollout_worker import (
     share_of_cores,
     split_cores,
     trainable_parameters,
+    vllm_options,
     worker_main,
 )
 from pods.weight_sync import TensorLayout, WeightSender, weights_store
 
-__all__ = ["LocalRollouts", "RolloutSource", "WorkerRollouts", "from_rollout_side"]
+__all__ = [
+    "LocalRollouts",
+    "RolloutSource",
+    "WorkerRollouts",
+    "from_rollout_side",
+    "start_worker_rollouts",
+    "trainer_vllm_options",
+]
 
 POLL_SECONDS = 0.5  # the longest a waiting side goes without checking that the other is alive
 CLOSE_SECONDS = 10.0  # how long a worker asked to stop may take before it is killed
@@ -419,3 +427,15 @@ def _workers_store(accelerator: Any) -> tuple[Any, str, int]:
         store = tcp_store(host, 0, acc.num_processes, serve=True)
         port = store.port
     return store, host, every_process(acc, port)[0]
+
+
+def trainer_vllm_options(config: Any, accelerator: Any, run_folder: Path) -> dict[str, Any]:
+    """The trainer's vLLM engine settings: each process seeds its own; several processes share one server."""
+    options = {**vllm_options(config, run_folder=run_folder), "seed": config.seed + accelerator.process_index}
+    if config.vllm_mode == "server" and accelerator.num_processes > 1:
+        from pods.rollout.vllm_server import SharedServer
+
+        options["share"] = SharedServer(
+            accelerator.is_main_process, lambda value: every_process(accelerator, value)
+        )
+    return options

@@ -45,3 +45,18 @@ def require_shared_folder(accelerator, folder: Path) -> None:
             "(a machine cannot see the files another writes there), so they could not resume from one "
             "checkpoint; put output_dir on a disk every machine mounts at the same path (NFS, Lustre, GPFS, ...)"
         )
+
+
+def pick_output_dir(config) -> str:
+    """The run folder: ``output_dir``, else the run a ``resume_from`` checkpoint belongs to, else a new
+    ``runs/<date-time>``."""
+    from datetime import datetime
+
+    from pods.checkpoint import STATE_FILE
+
+    if config.output_dir:
+        return config.output_dir
+    if config.resume_from and config.resume_from != "auto":
+        path = Path(config.resume_from)
+        return str(path.parent.parent if (path / STATE_FILE).is_file() else path)
+    return str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))

@@ -21,22 +21,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pods.advantages import (
-    Downsampled,
-    difficulty_counts,
-    downsample,
-    nanstd,
-    zero_variance_groups,
-)
 from pods.auto_generations import AutoGenerations
 from pods.checkpoint import (
-    STATE_FILE,
     TrainerState,
     adapter_only_checkpoints,
     base_model_identity,
@@ -45,44 +36,45 @@ from pods.checkpoint import (
     save_checkpoint,
 )
 from pods.config import TrainConfig
+from pods.consumer import observe_for_auto, select_kept, stage_metrics, step_metrics
 from pods.distributed import (
     deepspeed_batch_settings,
     deepspeed_guards_non_finite_steps,
-    every_process,
     exported_state_dict,
-    gather,
     local_processes,
     require_every_launched_process,
+    start_accelerator,
     synced_any,
     synced_max,
-    synced_mean,
-    synced_sum,
 )
 from pods.errors import ConfigError, NonFiniteError, PromptFilterExhausted
-from pods.evaluation import EvalResult, evaluate, next_evaluation_seconds
+from pods.evaluation import EvalResult, evaluate_with_config, next_evaluation_seconds
 from pods.faults import fault_point
 from pods.interrupts import StopRequests, TrainingStopped
-from pods.metrics import JsonlLog, StepTimer, peak_memory_mb, read_jsonl, reward_metrics
+from pods.metrics import JsonlLog, StepTimer, read_jsonl, trackers_closed
 from pods.models import Policy, load_policy, load_reference, local_model_folder
 from pods.optimization import build_optimizer, build_scheduler
-from pods.producer import ProducedBatch, Producer, reward_components, score_batch
+from pods.producer import ProducedBatch, Producer, score_batch
 from pods.progress import TrainingProgress
 from pods.prompt_filter import (
-    Groups,
     SampledGroups,
     exhausted_message,
-    fill_groups,
 )
 from pods.registries import check_names
-from pods.rollout import Rollouts, build_engine, choose_engine
-from pods.rollout_sources import LocalRollouts, RolloutSource, from_rollout_side, start_worker_rollouts
+from pods.rollout import Rollouts, build_engine, engine_choice
+from pods.rollout_sources import (
+    LocalRollouts,
+    RolloutSource,
+    from_rollout_side,
+    start_worker_rollouts,
+    trainer_vllm_options,
+)
 from pods.rollout_worker import (
     async_metrics,
     fresh_in_flight,
     load_in_flight,
     require_async_with_several_processes,
     save_in_flight,
-    vllm_options,
 )
 from pods.run_folder import require_shared_folder
 from pods.scoring import RewardFunction, reward_name
@@ -120,9 +112,6 @@ class PODSTrainer:
         train_dataset: Any = None,
         eval_dataset: Any = None,
     ) -> None:
-        from accelerate import Accelerator, PartialState
-        from accelerate.utils import broadcast_object_list, parse_flag_from_env
-
         from pods.data import get_task
 
         self.config = cfg = config
@@ -144,20 +133,9 @@ class PODSTrainer:
                 f"reward_weights: {len(cfg.reward_weights)} weights for {len(reward_funcs)} functions"
             )
 
-        precision = cfg.mixed_precision
-        if precision == "auto":
-            precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
         # Each optimizer step accumulates the micro-batches of the kept rows (same count on every process).
         micro_batches = cfg.prompts_per_step * cfg.num_generations_kept // cfg.micro_batch_size
-        # Start the process group first (as Accelerator would) so every process agrees on the run folder.
-        PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-        self.output_dir = Path(broadcast_object_list([self._pick_output_dir()])[0])
-        self.accelerator = Accelerator(
-            mixed_precision=precision,
-            log_with=cfg.report_to or None,  # TensorBoard / W&B / trackio, logging into the run folder
-            project_dir=str(self.output_dir),
-            gradient_accumulation_steps=micro_batches,
-        )
+        self.accelerator, self.output_dir = start_accelerator(cfg, micro_batches)
         acc = self.accelerator
         require_every_launched_process(acc)
         if cfg.async_generation and acc.num_processes > 1:
@@ -184,17 +162,7 @@ class PODSTrainer:
         self._saved: tuple[int, Path] | None = None  # (step, folder) of the last checkpoint written or loaded
         self.metrics_log = JsonlLog(self.output_dir / "metrics.jsonl", enabled=acc.is_main_process)
         self.eval_log = JsonlLog(self.output_dir / "eval.jsonl", enabled=acc.is_main_process)
-        self.auto = None  # num_generations: auto chooses n as it runs (pods.auto_generations)
-        if cfg.num_generations == "auto":
-            low, high = cfg.generation_bounds
-            self.auto = AutoGenerations(
-                cfg.num_generations_kept,
-                low,
-                high,
-                cfg.selection_rule,
-                cfg.num_generations_every,
-                overlapped=cfg.async_generation,
-            )
+        self.auto = AutoGenerations.of(cfg)  # num_generations: auto chooses n as it runs (else None)
         self.auto_log = JsonlLog(
             self.output_dir / "num_generations.jsonl", enabled=acc.is_main_process and self.auto is not None
         )
@@ -224,31 +192,21 @@ class PODSTrainer:
         if cfg.beta > 0 and not self.policy.is_lora:
             self.reference = load_reference(cfg).to(acc.device)
 
-        try:  # config.yaml records the engine that runs, whatever was asked
-            cfg.rollout_engine, self.engine_reason = choose_engine(
-                cfg.rollout_engine, model=self.policy.model
-            )
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        if cfg.rollout_engine == "hf" and acc.is_fsdp2 and acc.num_processes > 1:
-            raise ConfigError(
-                "rollout_engine: hf cannot sample from a model that FSDP shards over several processes (every "
-                "process would wait for the others' shards at each token); use rollout_engine: vllm"
-            )
+        # config.yaml records the engine that runs, whatever was asked; async: the worker builds its own engine
+        cfg.rollout_engine, self.engine_reason = engine_choice(cfg, acc, self.policy.model)
         if acc.is_main_process:
             cfg.save(self.output_dir / "config.yaml")
-        self.engine = build_engine(  # async: the worker builds the rollout engine; this one evaluates
+        self.engine = build_engine(  # the trainer's engine: it samples (sync) and evaluates
             "hf" if cfg.async_generation else cfg.rollout_engine,
             acc.unwrap_model(self.model),
             self.tokenizer,
             generation_batch_size=cfg.generation_batch_size,
             max_prompt_length=cfg.max_prompt_length,
-            vllm_options=self._vllm_options(),
+            vllm_options=trainer_vllm_options(cfg, acc, self.output_dir),
         )
         self.rollouts: RolloutSource | None = (
             None  # where stages 0-2 run (here, or a rollout worker) in train()
         )
-        # stages 0-2 (prompts, generation, rewards), in this process or in a rollout worker
         self.producer = Producer(
             cfg, self.engine, self.tokenizer, self.train_rows, score=self._score, accelerator=acc
         )
@@ -266,16 +224,6 @@ class PODSTrainer:
         """n for the next batch: the configured one, or what ``num_generations: auto`` chose last."""
         return self.auto.current if self.auto else self.config.num_generations
 
-    def _vllm_options(self) -> dict[str, Any]:
-        """The vLLM engine's settings here: each process seeds its own; several processes share one server."""
-        cfg, acc = self.config, self.accelerator
-        options = {**vllm_options(cfg, run_folder=self.output_dir), "seed": cfg.seed + acc.process_index}
-        if cfg.vllm_mode == "server" and acc.num_processes > 1:
-            from pods.rollout.vllm_server import SharedServer
-
-            options["share"] = SharedServer(acc.is_main_process, lambda value: every_process(acc, value))
-        return options
-
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:
         cfg, acc = self.config, self.accelerator
@@ -290,7 +238,7 @@ class PODSTrainer:
         with (
             stop,
             progress,
-            self._trackers(),
+            trackers_closed(acc, bool(cfg.report_to)),
             checkpointing,
             self._rollout_source(state, in_flight) as rollouts,
         ):
@@ -336,8 +284,11 @@ class PODSTrainer:
         vLLM engine gets the new weights (a rollout worker gets them when the next step starts). Returns the
         step's metrics."""
         sampled = batch.sampled
+        cfg, acc = self.config, self.accelerator
         with timer("select"):  # 3. m of n per group, and 4. advantages over the kept
-            groups, chosen = self._select(state, sampled, self.config.num_generations_kept)
+            self._unless_the_filter_came_up_short(state, sampled)
+            generator = torch.Generator().manual_seed(cfg.seed * 7_919 + state.step * 64 + acc.process_index)
+            groups, chosen = select_kept(cfg, acc, sampled, cfg.num_generations_kept, generator)
             kept_rollouts = groups.rollouts.select(chosen.rows)
             trained = chosen.trained & groups.trained.unsqueeze(1)
         with timer("update"):  # 5. the GRPO update on the kept rows only
@@ -347,29 +298,21 @@ class PODSTrainer:
         self.rollouts.weights_updated(self.accelerator.unwrap_model(self.model), timer)
         state.train_seconds += synced_max(self.accelerator, timer.total)  # the slowest process sets the clock
         everything = sampled.all  # metrics describe every group generated, over the refill rounds
-        metrics = self._step_metrics(
-            state,
-            timer,
-            everything.rollouts,
-            everything.rewards,
-            chosen.rewards.masked_fill(~trained, float("nan")),
-            everything.per_function,
-            update,
-            trained_groups=groups.trained,
-        )
-        metrics.update(self._stage_metrics(sampled, groups, chosen, trained), **batch.skip_metrics)
+        kept_rewards = chosen.rewards.masked_fill(~trained, float("nan"))
+        metrics = step_metrics(acc, state, timer, everything.rollouts, everything.rewards, kept_rewards,
+                               everything.per_function, update, trained_groups=groups.trained,
+                               epoch=self.prompts.epoch(state.prompts_drawn),
+                               learning_rate=self.scheduler.get_last_lr()[0],
+                               accuracy_name=reward_name(self.accuracy_fn))  # fmt: skip
+        metrics.update(stage_metrics(cfg, acc, sampled, groups, chosen, trained), **batch.skip_metrics)
         if self.config.async_generation:
             metrics.update(async_metrics(batch))
             metrics["pods/async/batches_sampled_again"] = self.batches_sampled_again  # once, after a resume
             self.batches_sampled_again = 0
-        if self.auto:
-            seconds = dict(timer.seconds)
-            if (
-                self.config.async_generation
-            ):  # generating is the worker's time; the trainer's waiting is neither
-                seconds.pop("wait_for_rollouts", None)
-                seconds = {"generate": sum(batch.seconds.values()), "update": sum(seconds.values())}
-            self._auto_step(state, everything.rewards, everything.per_function, seconds)
+        if self.auto:  # num_generations: auto observes the step's successes and timings
+            rows = observe_for_auto(self.auto, acc, state.step, batch, timer, reward_name(self.accuracy_fn))
+            for row in rows:
+                self.auto_log.append(row)
         return metrics
 
     @contextlib.contextmanager
@@ -417,88 +360,21 @@ class PODSTrainer:
                 "resume_from: auto"
             ) from None
 
-    @contextlib.contextmanager
-    def _trackers(self):
-        """Flush and close the trackers (TensorBoard, W&B, ...) however the loop ends: done, stopped or failed."""
-        try:
-            yield
-        finally:
-            if self.config.report_to:
-                self.accelerator.end_training()
-
     # ------------------------------------------------------------------ step pieces
-    def _select(self, state: TrainerState, sampled: SampledGroups, m: int) -> tuple[Groups, Downsampled]:
-        """3-4. The groups the step trains on (those that passed the filter first; past the bound as
-        ``prompt_filter_exhausted`` says), m (or a difficulty's k) of each, and their advantages."""
+    def _unless_the_filter_came_up_short(self, state: TrainerState, sampled: SampledGroups) -> None:
+        """``prompt_filter_exhausted: error``: a step short of groups that pass ends the run, after a checkpoint of
+        the last completed step on every process."""
         cfg, acc = self.config, self.accelerator
-        exhausted = cfg.prompt_filter_exhausted if cfg.prompt_filter != "none" else "pad"
-        if exhausted == "error" and synced_any(acc, sampled.num_passed < cfg.prompts_per_step):
-            checkpoint = self._save(state)  # every process: the last completed step, to resume from
+        if (
+            cfg.prompt_filter != "none"
+            and cfg.prompt_filter_exhausted == "error"
+            and synced_any(acc, sampled.num_passed < cfg.prompts_per_step)
+        ):
+            checkpoint = self._save(state)
             raise PromptFilterExhausted(
                 f"{exhausted_message(sampled.num_passed, cfg.prompts_per_step)}. The last completed step "
                 f"({state.step}) is saved in {checkpoint}: resume with resume_from: auto"
             )
-        taken = fill_groups(sampled.passed, cfg.prompts_per_step, exhausted)
-        groups = sampled.take(taken.positions, trained=taken.trained)
-        counts = None
-        if cfg.num_generations_kept_by_difficulty:  # GFPO: k per group from its mean reward's quartile
-            means = gather(acc, groups.rewards.nanmean(dim=1))
-            mine = slice(
-                acc.process_index * len(taken.positions), (acc.process_index + 1) * len(taken.positions)
-            )
-            counts = difficulty_counts(means.cpu(), cfg.num_generations_kept_by_difficulty)[mine]
-        components = weights = None
-        if cfg.multi_objective_aggregation == "normalize_then_sum":
-            components, weights = reward_components(cfg, groups.per_function)
-        chosen = downsample(
-            groups.ranked,
-            m,
-            cfg.selection_rule,
-            scale=cfg.scale_rewards,
-            eps=cfg.advantage_eps,
-            generator=self._selection_generator(state.step),
-            gather=lambda values: gather(acc, values),
-            lengths=groups.lengths,
-            kept_counts=counts,
-            keep_signal=cfg.prompt_filter != "none",
-            components=components,
-            weights=weights,
-        )
-        return groups, chosen
-
-    def _stage_metrics(
-        self, sampled: SampledGroups, groups: Groups, chosen: Downsampled, trained: torch.Tensor
-    ) -> dict[str, float]:
-        """Rollouts generated (every round, every process) and groups trained with a signal, so that rollouts per
-        useful group can be read from any run; with a ``prompt_filter`` its rounds, drops and shortfall; with a
-        length rule under a filter, the groups whose signal a swap restored."""
-        acc, cfg = self.accelerator, self.config
-        kept = chosen.rewards.masked_fill(~trained, float("nan"))
-        with_signal = int((groups.trained & ~zero_variance_groups(kept)).sum())
-        first = len(sampled.rounds[0].rollouts)
-        counts = [sampled.num_rollouts, with_signal, sampled.num_rollouts - first, chosen.signal_restored]
-        generated, with_signal, extra, restored = synced_sum(acc, torch.tensor(counts)).tolist()
-        metrics = {
-            "pods/rollouts_generated": int(generated),
-            "pods/groups_trained_with_signal": int(with_signal),
-        }
-        if cfg.prompt_filter == "none":
-            return metrics
-        wanted, passed = cfg.prompts_per_step, sampled.num_passed
-        unfilled = max(wanted - passed, 0)  # slots without a group that passed (train_fewer: left out)
-        failed = len(sampled.ids) - passed
-        dropped, unfilled = synced_sum(acc, torch.tensor([failed - unfilled, unfilled])).tolist()
-        share = sampled.pass_share.share
-        return {
-            **metrics,
-            "pods/filter/num_gen_batches": len(sampled.rounds),
-            "pods/filter/first_round_prompts": len(sampled.rounds[0].rewards),
-            "pods/filter/groups_dropped": int(dropped),
-            "pods/filter/extra_rollouts": int(extra),
-            "pods/filter/groups_unfilled": int(unfilled),
-            "pods/filter/pass_share": float("nan") if share is None else share,
-            "pods/selection/signal_restored": int(restored),
-        }
 
     def _score(
         self, batch: list[dict[str, Any]], rollouts: Rollouts
@@ -525,81 +401,6 @@ class PODSTrainer:
         )
 
     # ------------------------------------------------------------------ metrics
-    def _step_metrics(
-        self,
-        state: TrainerState,
-        timer: StepTimer,
-        rollouts: Rollouts,
-        rewards: torch.Tensor,
-        kept_rewards: torch.Tensor,
-        per_function: dict[str, torch.Tensor],
-        update: dict[str, float],
-        trained_groups: torch.Tensor,
-    ) -> dict[str, Any]:
-        """The step's row of metrics.jsonl: rewards of every group generated and of the kept rows of the groups
-        trained on (``kept_rewards`` NaN where a position is not trained), lengths, timings, memory."""
-        acc = self.accelerator
-        everywhere = lambda t: gather(acc, t).cpu()  # noqa: E731 - equal shapes on every process
-        all_rewards = everywhere(rewards)
-        kept = everywhere(kept_rewards)[everywhere(trained_groups.to(acc.device)).bool()]
-        lengths = everywhere(rollouts.completion_mask.sum(dim=1).double())
-        truncated = everywhere(rollouts.truncated.double())
-        step_seconds = synced_max(acc, timer.total)
-        metrics: dict[str, Any] = {
-            "step": state.step,
-            "epoch": round(
-                self.prompts.epoch(state.prompts_drawn), 4
-            ),  # every prompt drawn, refills included
-            "train_seconds": state.train_seconds,  # unrounded: the schedules compare against this exact clock
-            "num_generations": rewards.shape[1],
-            **reward_metrics(all_rewards, kept),
-            "skipped_steps": state.skipped_steps,
-        }
-        for name, values in per_function.items():
-            values = everywhere(values)
-            metrics[f"rewards/{name}/mean"] = values.nanmean().item()
-            metrics[f"rewards/{name}/std"] = nanstd(values.reshape(1, -1), dim=1).item()
-        metrics.update(
-            {
-                "completions/mean_length": lengths.mean().item(),
-                "completions/min_length": lengths.min().item(),
-                "completions/max_length": lengths.max().item(),
-                "completions/clipped_ratio": truncated.mean().item(),
-                "learning_rate": self.scheduler.get_last_lr()[0],
-                **{key: synced_mean(acc, value) for key, value in update.items()},
-            }
-        )
-        accuracy_name = reward_name(self.accuracy_fn)
-        if accuracy_name in per_function:
-            metrics["accuracy"] = (
-                (everywhere(torch.nan_to_num(per_function[accuracy_name])) > 0.5).double().mean().item()
-            )
-        for phase, seconds in timer.seconds.items():
-            metrics[f"seconds_{phase}"] = round(synced_max(acc, seconds), 4)
-        metrics["seconds_step"] = round(step_seconds, 4)
-        metrics["timeline"] = [list(span) for span in timer.spans]  # when each phase ran (wall clock)
-        metrics["tokens_per_second"] = round(lengths.sum().item() / max(step_seconds, 1e-9), 1)
-        metrics["peak_memory_mb"] = round(peak_memory_mb(), 1)
-        return metrics
-
-    def _auto_step(
-        self,
-        state: TrainerState,
-        rewards: torch.Tensor,
-        per_function: dict[str, torch.Tensor],
-        phases: dict[str, float],
-    ) -> None:
-        """``num_generations: auto``: record this step's successes per group (the accuracy reward above
-        0.5, else the summed reward above 0.5) and timings, over every process; re-decide n when due."""
-        scores = torch.nan_to_num(per_function.get(reward_name(self.accuracy_fn), rewards))
-        acc = self.accelerator
-        successes = gather(acc, (scores > 0.5).sum(dim=1)).cpu().tolist()
-        seconds = {phase: synced_max(acc, value) for phase, value in sorted(phases.items())}
-        self.auto_log.append(self.auto.observe(state.step, rewards.shape[1], successes, seconds))
-        decision = self.auto.decide(state.step)
-        if decision is not None:
-            self.auto_log.append({"kind": "decision", **decision.to_dict()})
-
     # ------------------------------------------------------------------ evaluation
     def _evaluate(
         self, state: TrainerState, progress: TrainingProgress, final: bool = False
@@ -609,21 +410,9 @@ class PODSTrainer:
             return None
         if final:
             fault_point("trainer_final_evaluation", kill=getattr(self.rollouts, "kill", None))
-        result = evaluate(
-            self.accelerator.unwrap_model(self.model),
-            self.tokenizer,
-            self.eval_dataset,
-            self.accuracy_fn,
-            protocol=cfg.eval_protocol,
-            samples=cfg.eval_samples,
-            temperature=cfg.eval_temperature,
-            max_new_tokens=cfg.max_completion_length,
-            batch_size=cfg.eval_batch_size,
-            prompt_style=self.prompt_style,
-            stop_strings=tuple(cfg.stop_strings),
-            accelerator=self.accelerator,
-            engine=self.engine,
-        )
+        model = self.accelerator.unwrap_model(self.model)
+        result = evaluate_with_config(cfg, model, self.tokenizer, self.eval_dataset, self.accuracy_fn, self.prompt_style,
+                                      accelerator=self.accelerator, engine=self.engine)  # fmt: skip
         state.last_eval_seconds = state.train_seconds
         row = {"step": state.step, "train_seconds": state.train_seconds, **result.to_dict()}
         row["eval_seconds"] = row.pop("seconds")
@@ -719,20 +508,6 @@ class PODSTrainer:
         return (cfg.max_steps is not None and state.step >= cfg.max_steps) or (
             cfg.max_time is not None and state.train_seconds >= cfg.max_time
         )
-
-    def _selection_generator(self, step: int) -> torch.Generator:
-        return torch.Generator().manual_seed(
-            self.config.seed * 7_919 + step * 64 + self.accelerator.process_index
-        )
-
-    def _pick_output_dir(self) -> str:
-        cfg = self.config
-        if cfg.output_dir:
-            return cfg.output_dir
-        if cfg.resume_from and cfg.resume_from != "auto":
-            path = Path(cfg.resume_from)
-            return str(path.parent.parent if (path / STATE_FILE).is_file() else path)
-        return str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
 
     def _load_rows(
         self, dataset: Any, task: str, source: str | None, split: str, limit: int | None

@@ -50,6 +50,23 @@ def choose_engine(requested: str, *, model: torch.nn.Module | None = None) -> tu
     return "vllm", "auto: vLLM is installed and can run here"
 
 
+def engine_choice(config: Any, accelerator: Any, model: torch.nn.Module) -> tuple[str, str]:
+    """:func:`choose_engine` for a run, as one-line configuration errors (also: HF ``generate`` cannot sample
+    from a model FSDP shards over several processes)."""
+    from pods.errors import ConfigError
+
+    try:
+        engine, reason = choose_engine(config.rollout_engine, model=model)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if engine == "hf" and accelerator.is_fsdp2 and accelerator.num_processes > 1:
+        raise ConfigError(
+            "rollout_engine: hf cannot sample from a model that FSDP shards over several processes (every "
+            "process would wait for the others' shards at each token); use rollout_engine: vllm"
+        )
+    return engine, reason
+
+
 def build_engine(
     name: str,
     model: torch.nn.Module,
