@@ -67,7 +67,8 @@ def evaluate(
     progress: bool = False,
     engine: RolloutEngine | None = None,
 ) -> EvalResult:
-    """Score ``model`` on every row of ``dataset`` (columns ``prompt``, ``answer``), sharded over processes.
+    """Score ``model`` on every row of ``dataset`` (a ``prompt`` column; every other column reaches ``accuracy_fn``
+    as a keyword, e.g. ``answer``), sharded over processes.
 
     ``engine`` samples the completions (the trainer passes its own, which holds the training weights);
     by default HF ``generate`` on ``model``. HF ``generate`` gets ``batch_size`` completions per call; any
@@ -96,9 +97,10 @@ def evaluate(
         chunk = rows[begin : begin + prompts_per_batch]
         rendered = [render_prompt(row["prompt"], tokenizer) for row in chunk]
         rollouts = engine.generate(rendered, k, sampling)
-        answers = [row["answer"] for row in chunk for _ in range(k)]
         prompts = [row["prompt"] for row in chunk for _ in range(k)]
-        correct = torch.tensor(accuracy_fn(prompts=prompts, completions=rollouts.texts, answer=answers)) > 0.5
+        columns = {key: [row[key] for row in chunk for _ in range(k)] for key in chunk[0] if key != "prompt"}
+        scores = accuracy_fn(prompts=prompts, completions=rollouts.texts, **columns)  # every column, as in training
+        correct = torch.tensor([s is not None and s > 0.5 for s in scores])
         formatted = torch.tensor([follows_format(text, prompt_style) for text in rollouts.texts])
         totals += torch.stack([correct.sum(), formatted.sum(), (correct & formatted).sum()]).double()
 

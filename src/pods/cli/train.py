@@ -51,7 +51,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if result.first_eval and result.last_eval and result.first_eval is not result.last_eval:
         first, last = result.first_eval, result.last_eval
         print(
-            f"Held-out accuracy ({last['protocol']}, {last['num_problems']} problems of {config.eval_task or config.task}): "
+            f"Held-out accuracy ({last['protocol']}, {last['num_problems']} problems of {config.dataset_name or config.eval_task or config.task}): "
             f"{first['accuracy']:.1%} -> {last['accuracy']:.1%} "
             f"({100 * (last['accuracy'] - first['accuracy']):+.1f} points)"
         )
