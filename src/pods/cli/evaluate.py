@@ -19,11 +19,27 @@ def register(commands: argparse._SubParsersAction) -> None:
     evaluate.add_argument(
         "--model", required=True, help="model folder, hub name, 'embedded', checkpoint or run folder"
     )
+    evaluate.add_argument("--dataset", help="a task: gsm8k, math500, math, arith, arith-hard (or a registered task)")
+    evaluate.add_argument("--source", help="hub name or local file/folder of the task's data (default: the hub)")
+    option(evaluate, "split", "--dataset_test_split", "--dataset-test-split", help="the split scored (default: test)")
     evaluate.add_argument(
-        "--dataset", required=True, help="gsm8k, math500, math, arith, arith-hard (or a registered task)"
+        "--config",
+        help="a training YAML (or preset): its data keys (task, or dataset_name and the keys below) and accuracy "
+        "reward are the defaults, so that a run is scored as it was evaluated while training",
     )
-    evaluate.add_argument("--source", help="hub name or local file/folder of the dataset (default: the hub)")
-    evaluate.add_argument("--split", default="test")
+    user = evaluate.add_argument_group("your own data (docs/tasks.md): instead of --dataset")
+    option(user, "dataset_name", help="a Hub dataset id, or a .jsonl/.json/.parquet/.csv file or a folder of them")
+    option(user, "dataset_config", help="the Hub dataset's configuration")
+    option(user, "prompt_column", help="the column with the prompt, text or chat messages (default: prompt)")
+    option(user, "prompt_template", help="the prompt from columns instead, e.g. 'Question: {problem}'")
+    option(user, "answer_column", help="the column copied into 'answer', which the built-in checkers read")
+    option(user, "system_prompt", help="a system message added to chat prompts")
+    option(
+        user,
+        "accuracy_reward",
+        help="the function scored as accuracy: a built-in name, file.py:function, module:function or a reward "
+        "model (default: the task's; with --dataset_name: accuracy)",
+    )
     evaluate.add_argument(
         "--protocol",
         choices=("greedy", "sampled"),
@@ -58,23 +74,41 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from pods.data import get_task
     from pods.evaluation import evaluate
     from pods.models import load_tokenizer
+    from pods.rewards.imported import resolve_reward
+    from pods.run_inputs import check_reward_columns
+    from pods.scoring import reward_name
 
+    with_defaults(args)
     quiet_libraries()
     model_dir = find_model_folder(args.model)
     model = load_model_for_eval(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    task = get_task(args.dataset)
-    style = args.prompt_style or (
-        "plain" if task.prompt_style == "chat" and not tokenizer.chat_template else task.prompt_style
-    )
-    max_new_tokens = args.max_new_tokens or task.max_new_tokens
-    dataset = task.load(args.split, source=args.source, prompt_style=style, limit=args.limit)
+    if args.dataset_name is not None:  # your own data: prompts as they are (or as chat with --prompt_style chat)
+        accuracy_fn = resolve_reward(args.accuracy_reward or "accuracy", "accuracy_reward")
+        style = args.prompt_style or "raw"
+        max_new_tokens = args.max_new_tokens or 512
+        dataset = user_rows(args, tokenizer)
+        check_reward_columns([accuracy_fn], dataset, f"--dataset_name {args.dataset_name} split {args.split}")
+    else:
+        task = get_task(args.dataset)
+        style = args.prompt_style or (
+            "plain" if task.prompt_style == "chat" and not tokenizer.chat_template else task.prompt_style
+        )
+        max_new_tokens = args.max_new_tokens or task.max_new_tokens
+        dataset = task.load(
+            args.split, source=args.source, prompt_style=style, limit=args.limit, system_prompt=args.system_prompt
+        )
+        accuracy_fn = (
+            resolve_reward(args.accuracy_reward, "accuracy_reward")
+            if args.accuracy_reward
+            else task.accuracy_function()
+        )
     engine = eval_engine(args.rollout_engine, model, tokenizer, dataset, max_new_tokens, args.batch_size)
     result = evaluate(
         model,
         tokenizer,
         dataset,
-        task.accuracy_function(),
+        accuracy_fn,
         protocol=args.protocol,
         samples=args.samples,
         temperature=args.temperature,
@@ -84,21 +118,83 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         progress=True,
         engine=engine,
     )
-    report = {"model": str(model_dir), "dataset": args.dataset, "split": args.split, "prompt_style": style}
+    name = args.dataset or args.dataset_name
+    report = {"model": str(model_dir), "dataset": name, "split": args.split, "prompt_style": style}
+    if args.dataset_name is not None:
+        report["accuracy_reward"] = reward_name(accuracy_fn)
     report.update(result.to_dict())
-    output = Path(args.output) if args.output else Path(f"eval-{args.dataset}-{args.protocol}.json")
+    label = args.dataset or Path(args.dataset_name.rstrip("/")).stem
+    output = Path(args.output) if args.output else Path(f"eval-{label}-{args.protocol}.json")
     output.write_text(json.dumps(report, indent=2))
     what = (
         "greedy pass@1"
         if args.protocol == "greedy"
         else f"sampled, T={args.temperature}, {args.samples} per problem"
     )
-    print(f"{args.dataset} {args.split} ({result.num_problems} problems, {what}), {model_dir}:")
+    print(f"{name} {args.split} ({result.num_problems} problems, {what}), {model_dir}:")
     print(
         f"  accuracy {result.accuracy:.2%}   format {result.format_accuracy:.2%}   both {result.correct_and_formatted:.2%}"
     )
     print(f"  report written to {output} ({result.seconds:.0f} s)")
     return 0
+
+
+DATA_KEYS = ("dataset_name", "dataset_config", "prompt_column", "prompt_template", "answer_column", "system_prompt")
+
+
+def with_defaults(args: argparse.Namespace) -> None:
+    """Fill what the command line leaves unset from ``--config`` (a training YAML), then check that one dataset
+    is named: a task (``--dataset``) or your own (``--dataset_name``)."""
+    if args.config:
+        from pods.cli.common import load_train_config
+
+        config = load_train_config(args.config, [])
+        if args.dataset is None and args.dataset_name is None:
+            if config.dataset_name is None:
+                args.dataset = config.eval_task or config.task
+                args.source = args.source or config.eval_source or (None if config.eval_task else config.task_source)
+            else:
+                args.dataset_name = config.dataset_name
+        from_config = args.dataset_name == config.dataset_name and args.dataset_name is not None
+        for key in DATA_KEYS[1:] if from_config else ("system_prompt",):
+            if getattr(args, key) is None:
+                setattr(args, key, getattr(config, key))
+        if args.split is None:
+            args.split = config.dataset_test_split if from_config else config.eval_split
+        if args.prompt_style is None:
+            args.prompt_style = config.prompt_style
+        if args.accuracy_reward is None:
+            args.accuracy_reward = config.accuracy_reward or (
+                (config.reward_funcs or [config.reward_model_name_or_path])[0] if from_config else None
+            )
+    if (args.dataset is None) == (args.dataset_name is None):
+        raise ConfigError(
+            "pods eval: name one dataset: --dataset TASK, --dataset_name FILE_OR_FOLDER_OR_HUB_ID, or --config "
+            "a training YAML"
+        )
+    args.split = args.split or "test"
+    if args.dataset_name is None:
+        given = [f"--{key}" for key in DATA_KEYS[1:-1] if getattr(args, key) is not None]
+        if given:
+            raise ConfigError(f"pods eval: {', '.join(given)} apply to --dataset_name, not to a task (--dataset)")
+
+
+def user_rows(args: argparse.Namespace, tokenizer) -> list[dict]:
+    """``--split`` of ``--dataset_name`` as rows with a prompt (:mod:`pods.data.user`)."""
+    from pods.data.user import load_dataset_rows
+
+    return load_dataset_rows(
+        args.dataset_name,
+        args.split,
+        config=args.dataset_config,
+        prompt_column=args.prompt_column or "prompt",
+        prompt_template=args.prompt_template,
+        answer_column=args.answer_column,
+        system_prompt=args.system_prompt,
+        prompt_style=None if args.prompt_style == "raw" else args.prompt_style,
+        tokenizer=tokenizer,
+        limit=args.limit,
+    )
 
 
 def eval_engine(requested: str, model, tokenizer, dataset, max_new_tokens: int, batch_size: int):
