@@ -4,6 +4,7 @@ as accuracy, and the rows of your own dataset (``dataset_name``); the built-in t
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ from pods.config import TrainConfig
 from pods.data.common import TaskDataError
 from pods.errors import ConfigError
 
-__all__ = ["accuracy_function", "check_reward_columns", "dataset_rows", "reward_functions"]
+__all__ = ["accuracy_function", "accuracy_spec", "check_reward_columns", "dataset_rows", "reward_functions"]
 
 CHECKER_NAMES = ("accuracy", "math_accuracy")  # the built-ins that read the answer column
 
@@ -46,6 +47,17 @@ def accuracy_function(config: TrainConfig, reward_funcs: list[Callable[..., Any]
         if spec in (given, reward_name(fn)):
             return fn
     return resolve_reward(spec, "accuracy_reward")
+
+
+def accuracy_spec(config: TrainConfig) -> str | None:
+    """``accuracy_reward`` as a spec another command can import: a name of one of ``reward_funcs``
+    (``exact`` for ``rewards.py:exact``) becomes that entry; with ``dataset_name`` the default is the first."""
+    specs = list(config.reward_funcs or []) + [config.reward_model_name_or_path] * bool(config.reward_model_name_or_path)
+    spec = config.accuracy_reward
+    if spec is None:
+        return specs[0] if config.dataset_name is not None and specs else None
+    by_name = {s.rpartition(":")[2] if ":" in s else s.rpartition(".")[2]: s for s in specs if not Path(s).is_dir()}
+    return spec if spec in specs else by_name.get(spec, spec)
 
 
 def dataset_rows(

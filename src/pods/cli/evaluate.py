@@ -163,10 +163,10 @@ def with_defaults(args: argparse.Namespace) -> None:
             args.split = config.dataset_test_split if from_config else config.eval_split
         if args.prompt_style is None:
             args.prompt_style = config.prompt_style
-        if args.accuracy_reward is None:
-            args.accuracy_reward = config.accuracy_reward or (
-                (config.reward_funcs or [config.reward_model_name_or_path])[0] if from_config else None
-            )
+        if args.accuracy_reward is None and (from_config or config.accuracy_reward):
+            from pods.run_inputs import accuracy_spec
+
+            args.accuracy_reward = accuracy_spec(config)
     if (args.dataset is None) == (args.dataset_name is None):
         raise ConfigError(
             "pods eval: name one dataset: --dataset TASK, --dataset_name FILE_OR_FOLDER_OR_HUB_ID, or --config "
