@@ -29,7 +29,7 @@ from pods.scoring import score_completions
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own-task"
 
-REWARDS = '''
+REWARDS = """
 import os
 
 def exact(prompts, completions, target, **kwargs):
@@ -62,7 +62,7 @@ def conversation(prompts, completions, **kwargs):
     return [float(c[0]["role"] == "assistant" and p[-1]["role"] == "user") for p, c in zip(prompts, completions)]
 
 NOT_A_FUNCTION = 3
-'''
+"""
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -80,31 +80,58 @@ def rewards_file(tmp_path: Path) -> Path:
 
 # ---------------------------------------------------------------------------------------------- datasets
 def test_trl_standard_and_conversational_rows_work_as_they_are(tmp_path: Path) -> None:
-    standard = write_jsonl(tmp_path / "standard.jsonl", [{"prompt": "2+2=", "level": 1}, {"prompt": "3+3=", "level": 2}])
+    standard = write_jsonl(
+        tmp_path / "standard.jsonl", [{"prompt": "2+2=", "level": 1}, {"prompt": "3+3=", "level": 2}]
+    )
     rows = load_dataset_rows(str(standard), "train")
-    assert [(r["prompt"], r["level"]) for r in rows] == [("2+2=", 1), ("3+3=", 2)]  # text stays text; columns stay
+    assert [(r["prompt"], r["level"]) for r in rows] == [
+        ("2+2=", 1),
+        ("3+3=", 2),
+    ]  # text stays text; columns stay
     chat = [{"role": "user", "content": "2+2?"}]
-    conversational = write_jsonl(tmp_path / "chat" / "train.jsonl", [{"prompt": chat, "solution": "4"}])
+    write_jsonl(tmp_path / "chat" / "train.jsonl", [{"prompt": chat, "solution": "4"}])
     write_jsonl(tmp_path / "chat" / "validation.jsonl", [{"prompt": chat, "solution": "4"}])
     assert dataset_splits(str(tmp_path / "chat")) == ["train", "validation"]
     row = load_dataset_rows(str(tmp_path / "chat"), "validation", system_prompt="Be brief.")[0]
     assert row["prompt"] == [{"role": "system", "content": "Be brief."}, *chat] and row["solution"] == "4"
     wrapped = load_dataset_rows(str(standard), "train", prompt_style="chat")[0]["prompt"]
-    assert wrapped == [{"role": "user", "content": "2+2="}]  # prompt_style chat: text becomes the user message
+    assert wrapped == [
+        {"role": "user", "content": "2+2="}
+    ]  # prompt_style chat: text becomes the user message
 
 
 def test_other_layouts_through_a_template_an_answer_column_and_csv(tmp_path: Path) -> None:
     path = tmp_path / "problems.csv"
     path.write_text('problem,target\n"Tom has {braces}, 3 + 4",7\nwhat is 2 - 5,-3\n')
-    rows = load_dataset_rows(str(path), "train", prompt_template="Q: {problem}\n{{A}}:", answer_column="target")
+    rows = load_dataset_rows(
+        str(path), "train", prompt_template="Q: {problem}\n{{A}}:", answer_column="target"
+    )
     assert rows[0]["prompt"] == "Q: Tom has {braces}, 3 + 4\n{A}:"  # a value's braces are not fields
-    assert [(r["answer"], r["target"]) for r in rows] == [("7", 7), ("-3", -3)]  # answer as text, target as read
+    assert [(r["answer"], r["target"]) for r in rows] == [
+        ("7", 7),
+        ("-3", -3),
+    ]  # answer as text, target as read
+
+
+def test_a_template_on_the_command_line_stays_text() -> None:
+    """YAML would read `Question: {problem}` as a mapping; a text key takes the value as written, or as YAML text
+    when quoted (escapes), and null stays null."""
+    from pods.config import parse_overrides
+
+    overrides = parse_overrides(["--prompt_template", "Question: {problem}", "--system_prompt", '"a\\nb"'])
+    assert overrides == {"prompt_template": "Question: {problem}", "system_prompt": "a\nb"}
+    assert parse_overrides(["--dataset_name", "null", "--max_time", "5"]) == {
+        "dataset_name": None,
+        "max_time": 5,
+    }
 
 
 def test_the_built_in_tasks_keep_their_names_and_rows() -> None:
     config = TrainConfig(task="arith", reward_funcs=None)
     assert [f.__name__ for f in reward_functions(config)] == ["accuracy_reward"]
-    assert load_task("arith", "test", prompt_style="plain", num_problems=2)[0]["prompt"].startswith("Question: ")
+    assert load_task("arith", "test", prompt_style="plain", num_problems=2)[0]["prompt"].startswith(
+        "Question: "
+    )
 
 
 # ---------------------------------------------------------------------------------------------- rewards
@@ -145,7 +172,11 @@ def test_imported_rewards_travel_to_other_processes_by_path(rewards_file: Path, 
     elsewhere.mkdir()
     code = "import pickle, sys; f = pickle.loads(sys.stdin.buffer.read()); print(f(['p', 'p'], ['a!', 'b']))"
     result = subprocess.run(
-        [sys.executable, "-c", code], input=pickle.dumps(shout), capture_output=True, cwd=elsewhere, timeout=60
+        [sys.executable, "-c", code],
+        input=pickle.dumps(shout),
+        capture_output=True,
+        cwd=elsewhere,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     assert result.stdout.decode().strip() == "[1.0, 0.0]"
@@ -153,7 +184,9 @@ def test_imported_rewards_travel_to_other_processes_by_path(rewards_file: Path, 
 
 def test_conversational_prompts_give_rewards_conversational_completions(rewards_file: Path) -> None:
     fn = resolve_reward(f"{rewards_file}:conversation")
-    assert fn(prompts=[[{"role": "user", "content": "hi"}]], completions=["hello"]) == [1.0]  # as TRL passes them
+    assert fn(prompts=[[{"role": "user", "content": "hi"}]], completions=["hello"]) == [
+        1.0
+    ]  # as TRL passes them
 
 
 def test_a_reward_model_scores_prompt_and_completion_in_batches(tmp_path: Path) -> None:
@@ -174,7 +207,9 @@ def test_a_reward_model_scores_prompt_and_completion_in_batches(tmp_path: Path) 
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
-    config = TrainConfig(dataset_name="x.jsonl", reward_model_name_or_path=str(folder), reward_funcs=["accuracy"])
+    config = TrainConfig(
+        dataset_name="x.jsonl", reward_model_name_or_path=str(folder), reward_funcs=["accuracy"]
+    )
     reward = reward_functions(config)[0]  # TRL's script puts the reward model first
     assert isinstance(reward, RewardModel) and reward.__name__ == "tiny-reward-model"
     prompts, completions = ["Question: 2 + 2", "Q"], [" = 4 and some more words here", "!"]
@@ -184,7 +219,9 @@ def test_a_reward_model_scores_prompt_and_completion_in_batches(tmp_path: Path) 
     with torch.no_grad():
         ids = tokenizer(prompts[0] + completions[0], return_tensors="pt")
         assert together[0] == pytest.approx(model(**ids).logits[0, 0].item(), abs=1e-5)
-    assert pickle.loads(pickle.dumps(reward))(prompts=prompts, completions=completions) == pytest.approx(together)
+    assert pickle.loads(pickle.dumps(reward))(prompts=prompts, completions=completions) == pytest.approx(
+        together
+    )
     chat = reward.texts([[{"role": "user", "content": "hi"}]], ["yo"])
     assert chat == ["<|user|>hi<|end|><|assistant|>yo<|end|>"]  # a conversation through the chat template
 
@@ -192,18 +229,24 @@ def test_a_reward_model_scores_prompt_and_completion_in_batches(tmp_path: Path) 
 # ---------------------------------------------------------------------------------------------- errors
 def test_a_missing_column_names_the_columns_the_file_has(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"problem": "1+1", "target": 2}])
-    with pytest.raises(TaskDataError, match=r"d.jsonl:1: no column 'prompt'; the columns are \['problem', 'target'\]"):
+    with pytest.raises(
+        TaskDataError, match=r"d.jsonl:1: no column 'prompt'; the columns are \['problem', 'target'\]"
+    ):
         load_dataset_rows(str(path), "train")
     with pytest.raises(TaskDataError, match=r"no column 'solution' \(answer_column\); the columns are"):
         load_dataset_rows(str(path), "train", prompt_column="problem", answer_column="solution")
     rows = load_dataset_rows(str(path), "train", prompt_column="problem")
-    with pytest.raises(ConfigError, match="lacks.*columns: problem, target.*set answer_column"):
-        check_reward_columns(reward_functions(TrainConfig(dataset_name="d", reward_funcs=["accuracy"])), rows, "d")
+    with pytest.raises(ConfigError, match=r"lacks.*columns: problem, target.*set answer_column"):
+        check_reward_columns(
+            reward_functions(TrainConfig(dataset_name="d", reward_funcs=["accuracy"])), rows, "d"
+        )
 
 
 def test_a_template_field_that_no_column_fills_is_named(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"problem": "1+1", "target": 2}])
-    with pytest.raises(TaskDataError, match=r"field \{question\} names no column; the columns are \['problem', 'target'\]"):
+    with pytest.raises(
+        TaskDataError, match=r"field \{question\} names no column; the columns are \['problem', 'target'\]"
+    ):
         load_dataset_rows(str(path), "train", prompt_template="Q: {question}")
 
 
@@ -212,7 +255,7 @@ def test_a_split_the_source_lacks_names_the_splits_it_has(tmp_path: Path) -> Non
     write_jsonl(tmp_path / "d" / "dev.jsonl", [{"prompt": "x"}])
     with pytest.raises(TaskDataError, match=r"no split 'test' \(it has \['dev', 'train'\]\)"):
         load_dataset_rows(str(tmp_path / "d"), "test")
-    with pytest.raises(TaskDataError, match="no split 'test' .a single file holds the one split 'train'"):
+    with pytest.raises(TaskDataError, match=r"no split 'test' \(a single file holds the one split 'train'"):
         load_dataset_rows(str(tmp_path / "d" / "dev.jsonl"), "test")
 
 
@@ -256,7 +299,9 @@ def test_a_reward_that_fails_names_the_function_and_the_first_bad_row(
 
 def test_a_reward_without_kwargs_is_caught_before_training(rewards_file: Path) -> None:
     fn = resolve_reward(f"{rewards_file}:no_kwargs")
-    with pytest.raises(ConfigError, match=r"'no_kwargs' does not accept completion_ids, target; .*add \*\*kwargs"):
+    with pytest.raises(
+        ConfigError, match=r"'no_kwargs' does not accept completion_ids, target; .*add \*\*kwargs"
+    ):
         check_reward_columns([fn], [{"prompt": "p", "target": 1}], "d")
 
 
@@ -268,7 +313,9 @@ def test_configuration_errors_are_one_line_before_training(
         write_jsonl(tmp_path / "data" / f"{split}.jsonl", [{"problem": "1+1", "target": 2}])
     with pytest.raises(ConfigError, match="your dataset_name needs rewards"):
         TrainConfig(dataset_name="data")
-    with pytest.raises(ConfigError, match="reward_weights: has 1 weights for 1 reward_funcs and the reward model"):
+    with pytest.raises(
+        ConfigError, match="reward_weights: has 1 weights for 1 reward_funcs and the reward model"
+    ):
         TrainConfig(reward_funcs=["accuracy"], reward_model_name_or_path="m", reward_weights=[1.0])
     for args, message in [
         (["train", "--dataset_name", "data", "--reward_funcs", "nothere.py:f"], "no such file"),
@@ -294,14 +341,19 @@ def export_arith(folder: Path, split: str, count: int) -> None:
 
 
 @pytest.mark.slow
-def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_repository(tmp_path: Path) -> None:
+def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_repository(
+    tmp_path: Path,
+) -> None:
     """The user's folder holds a data file per split, a reward file and a YAML; the installed `pods` trains on it
     with a rollout worker (async: the rewards reach that process by their path; each call is recorded with the
     pid that made it) and accuracy rises; `pods eval --config` scores the run as the last evaluation did."""
     folder = tmp_path / "my-task"
     shutil.copytree(EXAMPLE, folder, ignore=shutil.ignore_patterns("runs"))
     with (folder / "data" / "train.csv").open() as file:
-        assert next(csv.reader(file)) == ["problem", "target"]  # the example ships this layout; the test exports to it
+        assert next(csv.reader(file)) == [
+            "problem",
+            "target",
+        ]  # the example ships this layout; the test exports to it
     export_arith(folder / "data", "train", 400)
     export_arith(folder / "data", "test", 60)
     (folder / "rewards.py").write_text(
@@ -323,13 +375,19 @@ def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_rep
         cwd=folder, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    evals = [json.loads(line) for line in (folder / "runs" / "own-task" / "eval.jsonl").read_text().splitlines()]
+    evals = [
+        json.loads(line) for line in (folder / "runs" / "own-task" / "eval.jsonl").read_text().splitlines()
+    ]
     assert [e["step"] for e in evals] == [0, 6]
     assert evals[-1]["accuracy"] >= evals[0]["accuracy"] + 0.1, evals
-    metrics = [json.loads(line) for line in (folder / "runs" / "own-task" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [
+        json.loads(line) for line in (folder / "runs" / "own-task" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert {"rewards/exact/mean", "rewards/stated/mean"} <= set(metrics[-1])
     pids = set((folder / "pids.txt").read_text().split())
-    assert len(pids) == 2  # the trainer (evaluation) and its rollout worker (training rewards) each imported it
+    assert (
+        len(pids) == 2
+    )  # the trainer (evaluation) and its rollout worker (training rewards) each imported it
 
     report = folder / "report.json"
     result = subprocess.run(
@@ -341,4 +399,6 @@ def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_rep
     scored = json.loads(report.read_text())
     assert (scored["dataset"], scored["accuracy_reward"], scored["num_problems"]) == ("data", "exact", 60)
     assert scored["accuracy"] == pytest.approx(evals[-1]["accuracy"])
-    assert yaml.safe_load((folder / "runs" / "own-task" / "config.yaml").read_text())["dataset_name"] == "data"
+    assert (
+        yaml.safe_load((folder / "runs" / "own-task" / "config.yaml").read_text())["dataset_name"] == "data"
+    )

@@ -12,7 +12,7 @@ FINAL = re.compile(r"####\s*(-?\d+)")
 def exact(prompts, completions, target, **kwargs):
     """1.0 when the number after the last '####' equals the row's target, else 0.0."""
     scores = []
-    for completion, gold in zip(completions, target):
+    for completion, gold in zip(completions, target, strict=True):
         found = FINAL.findall(completion)
         scores.append(1.0 if found and int(found[-1]) == int(gold) else 0.0)
     return scores

@@ -99,7 +99,9 @@ def evaluate(
         rollouts = engine.generate(rendered, k, sampling)
         prompts = [row["prompt"] for row in chunk for _ in range(k)]
         columns = {key: [row[key] for row in chunk for _ in range(k)] for key in chunk[0] if key != "prompt"}
-        scores = accuracy_fn(prompts=prompts, completions=rollouts.texts, **columns)  # every column, as in training
+        scores = accuracy_fn(
+            prompts=prompts, completions=rollouts.texts, **columns
+        )  # every column, as in training
         correct = torch.tensor([s is not None and s > 0.5 for s in scores])
         formatted = torch.tensor([follows_format(text, prompt_style) for text in rollouts.texts])
         totals += torch.stack([correct.sum(), formatted.sum(), (correct & formatted).sum()]).double()

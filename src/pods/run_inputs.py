@@ -4,8 +4,8 @@ as accuracy, and the rows of your own dataset (``dataset_name``); the built-in t
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pods.config import TrainConfig
@@ -24,9 +24,8 @@ def reward_functions(config: TrainConfig) -> list[Callable[..., Any]]:
     from pods.rewards.imported import resolve_reward
 
     names = config.reward_funcs or ([] if config.dataset_name else list(get_task(config.task).reward_funcs))
-    model = [resolve_reward(config.reward_model_name_or_path, "reward_model_name_or_path")] if (
-        config.reward_model_name_or_path
-    ) else []
+    model_path = config.reward_model_name_or_path
+    model = [resolve_reward(model_path, "reward_model_name_or_path")] if model_path else []
     return model + [resolve_reward(name) for name in names]
 
 
@@ -43,7 +42,8 @@ def accuracy_function(config: TrainConfig, reward_funcs: list[Callable[..., Any]
     if spec is None:
         spec = config.reward_funcs[0] if config.reward_funcs else config.reward_model_name_or_path
     offset = 1 if config.reward_model_name_or_path else 0
-    for given, fn in zip([config.reward_model_name_or_path] * offset + list(config.reward_funcs or []), reward_funcs):
+    given_specs = [config.reward_model_name_or_path] * offset + list(config.reward_funcs or [])
+    for given, fn in zip(given_specs, reward_funcs, strict=False):  # the Python API's own functions: no specs
         if spec in (given, reward_name(fn)):
             return fn
     return resolve_reward(spec, "accuracy_reward")
@@ -52,11 +52,14 @@ def accuracy_function(config: TrainConfig, reward_funcs: list[Callable[..., Any]
 def accuracy_spec(config: TrainConfig) -> str | None:
     """``accuracy_reward`` as a spec another command can import: a name of one of ``reward_funcs``
     (``exact`` for ``rewards.py:exact``) becomes that entry; with ``dataset_name`` the default is the first."""
-    specs = list(config.reward_funcs or []) + [config.reward_model_name_or_path] * bool(config.reward_model_name_or_path)
+    model = [config.reward_model_name_or_path] if config.reward_model_name_or_path else []
+    specs = list(config.reward_funcs or []) + model
     spec = config.accuracy_reward
     if spec is None:
         return specs[0] if config.dataset_name is not None and specs else None
-    by_name = {s.rpartition(":")[2] if ":" in s else s.rpartition(".")[2]: s for s in specs if not Path(s).is_dir()}
+    by_name = {
+        s.rpartition(":")[2] if ":" in s else s.rpartition(".")[2]: s for s in specs if not Path(s).is_dir()
+    }
     return spec if spec in specs else by_name.get(spec, spec)
 
 
@@ -82,7 +85,9 @@ def dataset_rows(
     )
 
 
-def check_reward_columns(reward_funcs: list[Callable[..., Any]], rows: list[dict[str, Any]], what: str) -> None:
+def check_reward_columns(
+    reward_funcs: list[Callable[..., Any]], rows: list[dict[str, Any]], what: str
+) -> None:
     """Before training: the built-in checkers need an ``answer`` column, and a function without ``**kwargs`` must
     name every column it receives (each row's columns reach every reward function as keywords)."""
     from pods.rewards import REWARD_FUNCTIONS
@@ -102,7 +107,7 @@ def check_reward_columns(reward_funcs: list[Callable[..., Any]], rows: list[dict
         target = fn.function if isinstance(fn, ImportedReward) else fn
         try:
             parameters = inspect.signature(target).parameters
-        except (TypeError, ValueError):  # a builtin or an object without a signature: it will tell at its call
+        except (TypeError, ValueError):  # no signature to read: its call will tell
             continue
         if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
             continue

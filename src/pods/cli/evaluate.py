@@ -19,16 +19,30 @@ def register(commands: argparse._SubParsersAction) -> None:
     evaluate.add_argument(
         "--model", required=True, help="model folder, hub name, 'embedded', checkpoint or run folder"
     )
-    evaluate.add_argument("--dataset", help="a task: gsm8k, math500, math, arith, arith-hard (or a registered task)")
-    evaluate.add_argument("--source", help="hub name or local file/folder of the task's data (default: the hub)")
-    option(evaluate, "split", "--dataset_test_split", "--dataset-test-split", help="the split scored (default: test)")
+    evaluate.add_argument(
+        "--dataset", help="a task: gsm8k, math500, math, arith, arith-hard (or a registered task)"
+    )
+    evaluate.add_argument(
+        "--source", help="hub name or local file/folder of the task's data (default: the hub)"
+    )
+    option(
+        evaluate,
+        "split",
+        "--dataset_test_split",
+        "--dataset-test-split",
+        help="the split scored (default: test)",
+    )
     evaluate.add_argument(
         "--config",
         help="a training YAML (or preset): its data keys (task, or dataset_name and the keys below) and accuracy "
         "reward are the defaults, so that a run is scored as it was evaluated while training",
     )
     user = evaluate.add_argument_group("your own data (docs/tasks.md): instead of --dataset")
-    option(user, "dataset_name", help="a Hub dataset id, or a .jsonl/.json/.parquet/.csv file or a folder of them")
+    option(
+        user,
+        "dataset_name",
+        help="a Hub dataset id, or a .jsonl/.json/.parquet/.csv file or a folder of them",
+    )
     option(user, "dataset_config", help="the Hub dataset's configuration")
     option(user, "prompt_column", help="the column with the prompt, text or chat messages (default: prompt)")
     option(user, "prompt_template", help="the prompt from columns instead, e.g. 'Question: {problem}'")
@@ -83,7 +97,9 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     model_dir = find_model_folder(args.model)
     model = load_model_for_eval(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    if args.dataset_name is not None:  # your own data: prompts as they are (or as chat with --prompt_style chat)
+    if (
+        args.dataset_name is not None
+    ):  # your own data: prompts as they are (or as chat with --prompt_style chat)
         accuracy_fn = resolve_reward(args.accuracy_reward or "accuracy", "accuracy_reward")
         style = args.prompt_style or "raw"
         max_new_tokens = args.max_new_tokens or 512
@@ -96,7 +112,11 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         )
         max_new_tokens = args.max_new_tokens or task.max_new_tokens
         dataset = task.load(
-            args.split, source=args.source, prompt_style=style, limit=args.limit, system_prompt=args.system_prompt
+            args.split,
+            source=args.source,
+            prompt_style=style,
+            limit=args.limit,
+            system_prompt=args.system_prompt,
         )
         accuracy_fn = (
             resolve_reward(args.accuracy_reward, "accuracy_reward")
@@ -139,7 +159,14 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-DATA_KEYS = ("dataset_name", "dataset_config", "prompt_column", "prompt_template", "answer_column", "system_prompt")
+DATA_KEYS = (
+    "dataset_name",
+    "dataset_config",
+    "prompt_column",
+    "prompt_template",
+    "answer_column",
+    "system_prompt",
+)
 
 
 def with_defaults(args: argparse.Namespace) -> None:
@@ -152,7 +179,9 @@ def with_defaults(args: argparse.Namespace) -> None:
         if args.dataset is None and args.dataset_name is None:
             if config.dataset_name is None:
                 args.dataset = config.eval_task or config.task
-                args.source = args.source or config.eval_source or (None if config.eval_task else config.task_source)
+                args.source = (
+                    args.source or config.eval_source or (None if config.eval_task else config.task_source)
+                )
             else:
                 args.dataset_name = config.dataset_name
         from_config = args.dataset_name == config.dataset_name and args.dataset_name is not None
@@ -176,7 +205,9 @@ def with_defaults(args: argparse.Namespace) -> None:
     if args.dataset_name is None:
         given = [f"--{key}" for key in DATA_KEYS[1:-1] if getattr(args, key) is not None]
         if given:
-            raise ConfigError(f"pods eval: {', '.join(given)} apply to --dataset_name, not to a task (--dataset)")
+            raise ConfigError(
+                f"pods eval: {', '.join(given)} apply to --dataset_name, not to a task (--dataset)"
+            )
 
 
 def user_rows(args: argparse.Namespace, tokenizer) -> list[dict]:

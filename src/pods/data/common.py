@@ -64,7 +64,11 @@ def read_file(path: Path) -> list[Record]:
         import pyarrow.csv
         import pyarrow.parquet
 
-        kind, read = ("Parquet", pyarrow.parquet.read_table) if path.suffix == ".parquet" else ("CSV", pyarrow.csv.read_csv)
+        kind, read = (
+            ("Parquet", pyarrow.parquet.read_table)
+            if path.suffix == ".parquet"
+            else ("CSV", pyarrow.csv.read_csv)
+        )
         try:
             table = read(path)
         except Exception as error:

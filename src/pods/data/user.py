@@ -97,7 +97,9 @@ def build_prompt(
     elif prompt_column not in row:
         raise TaskDataError(
             f"{where}: no column {prompt_column!r}; the columns are {sorted(row)}: set prompt_column to the "
-            "one that holds the prompt, or prompt_template to build it, e.g. 'Question: {" + _first(row) + "}'"
+            "one that holds the prompt, or prompt_template to build it, e.g. 'Question: {"
+            + _first(row)
+            + "}'"
         )
     else:
         prompt = row[prompt_column]
@@ -203,7 +205,9 @@ def _hub_dataset(name: str, config: str | None) -> Any:
         loaded = datasets.load_dataset(name, config)
     except Exception as error:
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-        reason = "the Hub is offline (HF_HUB_OFFLINE=1) and it is not cached" if offline else "it cannot be loaded"
+        reason = (
+            "the Hub is offline (HF_HUB_OFFLINE=1) and it is not cached" if offline else "it cannot be loaded"
+        )
         message = (
             f"dataset_name {name!r} (dataset_config {config!r}): {reason} ({type(error).__name__}: "
             f"{str(error).strip().splitlines()[0] if str(error).strip() else 'no details'}); check the id and "

@@ -41,7 +41,9 @@ def import_function(spec: str, key: str = "reward_funcs") -> Any:
     module = _load_file(where, spec, key) if where.endswith(".py") else _load_module(where, spec, key)
     if not hasattr(module, name):
         defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise RewardImportError(f"{key}: {where} has no {name!r}; it defines {', '.join(defined) or 'no function'}")
+        raise RewardImportError(
+            f"{key}: {where} has no {name!r}; it defines {', '.join(defined) or 'no function'}"
+        )
     function = getattr(module, name)
     if not callable(function):
         raise RewardImportError(f"{key}: {spec} is a {type(function).__name__}, not a function")
@@ -63,7 +65,9 @@ def _load_module(where: str, spec: str, key: str) -> Any:
 def _load_file(where: str, spec: str, key: str) -> Any:
     path = Path(where).expanduser().resolve()
     if not path.is_file():
-        raise RewardImportError(f"{key}: {spec}: no such file {path}; give a path to a .py file (relative to the current folder)")
+        raise RewardImportError(
+            f"{key}: {spec}: no such file {path}; give a path to a .py file (relative to the current folder)"
+        )
     name = f"pods_user_rewards.{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     if name in sys.modules:
         return sys.modules[name]

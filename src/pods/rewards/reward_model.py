@@ -16,7 +16,9 @@ class RewardModel:
     """``AutoModelForSequenceClassification`` (``num_labels=1``) and its tokenizer, called in TRL's reward signature;
     pickles as its name, so a rollout worker loads its own copy."""
 
-    def __init__(self, name_or_path: str, *, batch_size: int = 32, key: str = "reward_model_name_or_path") -> None:
+    def __init__(
+        self, name_or_path: str, *, batch_size: int = 32, key: str = "reward_model_name_or_path"
+    ) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.name_or_path, self.batch_size = name_or_path, batch_size
@@ -32,7 +34,8 @@ class RewardModel:
             ) from error
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # it scores the last token that is not padding
+        # the model scores the last token that is not padding
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.device: Any = None
 
     def texts(self, prompts: list[Any], completions: list[Any]) -> list[str]:
@@ -40,17 +43,27 @@ class RewardModel:
         texts = []
         for prompt, completion in zip(prompts, completions, strict=True):
             if isinstance(prompt, list):
-                reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+                reply = (
+                    completion
+                    if isinstance(completion, list)
+                    else [{"role": "assistant", "content": completion}]
+                )
                 texts.append(self.tokenizer.apply_chat_template(prompt + reply, tokenize=False))
             else:
-                texts.append(prompt + (completion if isinstance(completion, str) else completion[0]["content"]))
+                texts.append(
+                    prompt + (completion if isinstance(completion, str) else completion[0]["content"])
+                )
         return texts
 
     def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
         import torch
 
         if self.device is None:  # the scoring process's device, known only once it runs
-            self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            self.device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
             self.model.to(self.device)
         texts, scores = self.texts(prompts, completions), []
         for start in range(0, len(texts), self.batch_size):
