@@ -340,6 +340,21 @@ def export_arith(folder: Path, split: str, count: int) -> None:
         writer.writerows([row["question"], row["answer"]] for row in rows)
 
 
+def record_calls(rewards: Path) -> None:
+    """Make the user's `exact` also write, at each call, the process's rank and pid to pids.txt beside it."""
+    rewards.write_text(
+        rewards.read_text()
+        + textwrap.dedent("""
+            import os
+            _exact = exact
+            def exact(prompts, completions, target, **kwargs):
+                with open("pids.txt", "a") as f:
+                    f.write(f"{os.environ.get('RANK', '-')} {os.getpid()}\\n")
+                return _exact(prompts, completions, target, **kwargs)
+            """)
+    )
+
+
 @pytest.mark.slow
 def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_repository(
     tmp_path: Path,
@@ -356,17 +371,7 @@ def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_rep
         ]  # the example ships this layout; the test exports to it
     export_arith(folder / "data", "train", 400)
     export_arith(folder / "data", "test", 60)
-    (folder / "rewards.py").write_text(
-        (folder / "rewards.py").read_text()
-        + textwrap.dedent("""
-            import os
-            _exact = exact
-            def exact(prompts, completions, target, **kwargs):
-                with open("pids.txt", "a") as f:
-                    f.write(f"{os.getpid()}\\n")
-                return _exact(prompts, completions, target, **kwargs)
-            """)
-    )
+    record_calls(folder / "rewards.py")
     settings = ["--max_time", "null", "--max_steps", "6", "--eval_at_seconds", "[]", "--eval_every_seconds", "null",
                 "--eval_limit", "60", "--rollout_engine", "hf", "--async_generation", "true", "--progress", "false",
                 "--save_every_seconds", "null"]  # fmt: skip
@@ -384,10 +389,8 @@ def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_rep
         json.loads(line) for line in (folder / "runs" / "own-task" / "metrics.jsonl").read_text().splitlines()
     ]
     assert {"rewards/exact/mean", "rewards/stated/mean"} <= set(metrics[-1])
-    pids = set((folder / "pids.txt").read_text().split())
-    assert (
-        len(pids) == 2
-    )  # the trainer (evaluation) and its rollout worker (training rewards) each imported it
+    pids = {line.split()[1] for line in (folder / "pids.txt").read_text().splitlines()}
+    assert len(pids) == 2  # the trainer (evaluation) and its rollout worker (training rewards) each import it
 
     report = folder / "report.json"
     result = subprocess.run(
@@ -402,3 +405,43 @@ def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_rep
     assert (
         yaml.safe_load((folder / "runs" / "own-task" / "config.yaml").read_text())["dataset_name"] == "data"
     )
+
+
+@pytest.mark.slow
+def test_two_processes_under_accelerate_launch_each_import_the_rewards(tmp_path: Path) -> None:
+    """`accelerate launch` of the example (2 CPU processes, one step): both ranks score with the user's file."""
+    import os
+
+    folder = tmp_path / "my-task"
+    shutil.copytree(EXAMPLE, folder, ignore=shutil.ignore_patterns("runs"))
+    record_calls(folder / "rewards.py")
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        "0",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
+    settings = ["--max_time", "null", "--max_steps", "1", "--eval_at_start", "false", "--eval_every_seconds", "null",
+                "--eval_at_seconds", "[]", "--save_final", "false", "--save_every_seconds", "null", "--rollout_engine",
+                "hf", "--progress", "false", "--prompts_per_step", "4", "--micro_batch_size", "16"]  # fmt: skip
+    launcher_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_") and k not in launcher_keys}
+    env.update(ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [*launch, "-m", "pods", "train", "--config", "train.yaml", *settings],
+        cwd=folder, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    calls = {tuple(line.split()) for line in (folder / "pids.txt").read_text().splitlines()}
+    assert sorted(rank for rank, _ in calls) == ["0", "1"]  # one call per rank (one step), two processes
+    assert len({pid for _, pid in calls}) == 2
