@@ -372,7 +372,7 @@ def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_rep
     export_arith(folder / "data", "train", 400)
     export_arith(folder / "data", "test", 60)
     record_calls(folder / "rewards.py")
-    settings = ["--max_time", "null", "--max_steps", "6", "--eval_at_seconds", "[]", "--eval_every_seconds", "null",
+    settings = ["--max_time", "null", "--max_steps", "4", "--eval_at_seconds", "[]", "--eval_every_seconds", "null",
                 "--eval_limit", "60", "--rollout_engine", "hf", "--async_generation", "true", "--progress", "false",
                 "--save_every_seconds", "null"]  # fmt: skip
     run = subprocess.run(
@@ -383,7 +383,7 @@ def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_rep
     evals = [
         json.loads(line) for line in (folder / "runs" / "own-task" / "eval.jsonl").read_text().splitlines()
     ]
-    assert [e["step"] for e in evals] == [0, 6]
+    assert [e["step"] for e in evals] == [0, 4]
     assert evals[-1]["accuracy"] >= evals[0]["accuracy"] + 0.1, evals
     metrics = [
         json.loads(line) for line in (folder / "runs" / "own-task" / "metrics.jsonl").read_text().splitlines()
