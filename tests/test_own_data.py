@@ -189,12 +189,11 @@ def test_conversational_prompts_give_rewards_conversational_completions(rewards_
     ]  # as TRL passes them
 
 
-def test_a_reward_model_scores_prompt_and_completion_in_batches(tmp_path: Path) -> None:
-    """A tiny sequence-classification checkpoint as a reward: the batched, right-padded scores equal each text
-    scored alone, for texts of different lengths; and it pickles as its path."""
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random sequence-classification checkpoint (one label) with the tiny chat tokenizer."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from pods.rewards.reward_model import RewardModel
     from pods.testing import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
@@ -203,12 +202,21 @@ def test_a_reward_model_scores_prompt_and_completion_in_batches(tmp_path: Path) 
         LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                     num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id)
     )  # fmt: skip
-    folder = tmp_path / "tiny-reward-model"
+    folder = tmp_path_factory.mktemp("reward-models") / "tiny-reward-model"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_reward_model_scores_prompt_and_completion_in_batches(reward_model_dir: Path) -> None:
+    """The batched, right-padded scores equal each text scored alone and the model's own forward, for texts of
+    different lengths; it pickles as its path; a conversation goes through the chat template."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from pods.rewards.reward_model import RewardModel
 
     config = TrainConfig(
-        dataset_name="x.jsonl", reward_model_name_or_path=str(folder), reward_funcs=["accuracy"]
+        dataset_name="x.jsonl", reward_model_name_or_path=str(reward_model_dir), reward_funcs=["accuracy"]
     )
     reward = reward_functions(config)[0]  # TRL's script puts the reward model first
     assert isinstance(reward, RewardModel) and reward.__name__ == "tiny-reward-model"
@@ -216,14 +224,39 @@ def test_a_reward_model_scores_prompt_and_completion_in_batches(tmp_path: Path) 
     together = reward(prompts=prompts, completions=completions)
     alone = [reward(prompts=[p], completions=[c])[0] for p, c in zip(prompts, completions, strict=True)]
     assert together == pytest.approx(alone, abs=1e-5) and together[0] != pytest.approx(together[1])
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir)
     with torch.no_grad():
-        ids = tokenizer(prompts[0] + completions[0], return_tensors="pt")
+        ids = AutoTokenizer.from_pretrained(reward_model_dir)(
+            prompts[0] + completions[0], return_tensors="pt"
+        )
         assert together[0] == pytest.approx(model(**ids).logits[0, 0].item(), abs=1e-5)
-    assert pickle.loads(pickle.dumps(reward))(prompts=prompts, completions=completions) == pytest.approx(
-        together
-    )
+    again = pickle.loads(pickle.dumps(reward))
+    assert again(prompts=prompts, completions=completions) == pytest.approx(together)
     chat = reward.texts([[{"role": "user", "content": "hi"}]], ["yo"])
-    assert chat == ["<|user|>hi<|end|><|assistant|>yo<|end|>"]  # a conversation through the chat template
+    assert chat == ["<|user|>hi<|end|><|assistant|>yo<|end|>"]
+
+
+def test_a_run_trains_on_a_reward_model_alone(
+    reward_model_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """dataset_name + reward_model_name_or_path and no reward_funcs: a step scores with the model (its rewards
+    logged under its name, the scores it gives those completions)."""
+    from pods.trainer import PODSTrainer
+
+    data = write_jsonl(
+        tmp_path / "d.jsonl", [{"prompt": f"Question: {i} + {i}", "level": i} for i in range(8)]
+    )
+    config = TrainConfig(
+        model=str(tiny_model_dir), dataset_name=str(data), reward_model_name_or_path=str(reward_model_dir),
+        num_generations=4, num_generations_kept=2, prompts_per_step=2, micro_batch_size=2, max_completion_length=4,
+        max_time=None, max_steps=1, eval_at_start=False, eval_every_seconds=None, eval_at_seconds=[],
+        save_every_seconds=None, save_final=False, progress=False, rollout_engine="hf", output_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    trainer = PODSTrainer(config)
+    assert trainer.accuracy_fn is trainer.reward_funcs[0]  # the only reward: what evaluation would report
+    trainer.train()
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["reward"] == pytest.approx(row["rewards/tiny-reward-model/mean"]) and row["reward_std"] > 0
 
 
 # ---------------------------------------------------------------------------------------------- errors
