@@ -478,3 +478,41 @@ def test_two_processes_under_accelerate_launch_each_import_the_rewards(tmp_path:
     calls = {tuple(line.split()) for line in (folder / "pids.txt").read_text().splitlines()}
     assert sorted(rank for rank, _ in calls) == ["0", "1"]  # one call per rank (one step), two processes
     assert len({pid for _, pid in calls}) == 2
+
+
+def test_compare_and_sweep_take_the_same_keys(tmp_path: Path) -> None:
+    """Every arm of `pods compare` / `pods sweep` trains on the dataset and rewards the options name."""
+    from pods.cli import build_parser
+    from pods.cli.experiments import compare_plan, sweep_plan
+
+    data = [
+        "--dataset_name",
+        "data/",
+        "--prompt_template",
+        "Q: {problem}",
+        "--reward_funcs",
+        "rewards.py:exact",
+    ]
+    for words, plan in (
+        (["compare", "--output", str(tmp_path / "c"), *data], compare_plan),
+        (["sweep", "--grid", "num_generations=4,8", "--output", str(tmp_path / "s"), *data], sweep_plan),
+    ):
+        args, extra = build_parser().parse_known_args(words)
+        base = plan(args, extra)["base"]
+        assert (base.dataset_name, base.prompt_template, base.reward_funcs) == (
+            "data/",
+            "Q: {problem}",
+            ["rewards.py:exact"],
+        )
+
+
+def test_a_hub_dataset_that_is_not_cached_offline_says_to_give_a_local_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pods.data import HubUnavailableError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(
+        HubUnavailableError, match=r"dataset_name 'no-such-owner/no-such-set' .*offline.*local file or folder"
+    ):
+        dataset_splits("no-such-owner/no-such-set")
