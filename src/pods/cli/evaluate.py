@@ -65,7 +65,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--temperature", type=float, default=0.9, help="for --protocol sampled (default: 0.9)"
     )
     evaluate.add_argument("--limit", type=int, help="evaluate on the first N problems only")
-    option(evaluate, "max_new_tokens", type=int, help="default: the task's (32 for arith, 512 otherwise)")
+    option(
+        evaluate,
+        "max_new_tokens",
+        type=int,
+        help="default: --config's max_completion_length, else the task's (32 for arith, 512 otherwise; 512 for "
+        "--dataset_name)",
+    )
     option(evaluate, "batch_size", type=int, default=64, help="completions generated at once")
     option(
         evaluate,
@@ -192,6 +198,8 @@ def with_defaults(args: argparse.Namespace) -> None:
             args.split = config.dataset_test_split if from_config else config.eval_split
         if args.prompt_style is None:
             args.prompt_style = config.prompt_style
+        if args.max_new_tokens is None:
+            args.max_new_tokens = config.max_completion_length
         if args.accuracy_reward is None and (from_config or config.accuracy_reward):
             from pods.run_inputs import accuracy_spec
 
