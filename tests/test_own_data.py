@@ -427,8 +427,9 @@ def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_rep
 
     report = folder / "report.json"
     result = subprocess.run(
-        [sys.executable, "-m", "pods", "eval", "--model", "runs/own-task", "--config", "train.yaml",
-         "--rollout_engine", "hf", "--limit", "60", "--output", str(report)],
+        [sys.executable, "-m", "pods", "eval", "--model", "runs/own-task", "--dataset_name", "data",
+         "--prompt_template", "Question: {problem}\nAnswer:", "--accuracy_reward", "rewards.py:exact",
+         "--max_new_tokens", "32", "--rollout_engine", "hf", "--limit", "60", "--output", str(report)],
         cwd=folder, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -466,18 +467,24 @@ def test_two_processes_under_accelerate_launch_each_import_the_rewards(tmp_path:
     ]
     settings = ["--max_time", "null", "--max_steps", "1", "--eval_at_start", "false", "--eval_every_seconds", "null",
                 "--eval_at_seconds", "[]", "--save_final", "false", "--save_every_seconds", "null", "--rollout_engine",
-                "hf", "--progress", "false", "--prompts_per_step", "4", "--micro_batch_size", "16"]  # fmt: skip
+                "hf", "--progress", "false", "--prompts_per_step", "4", "--micro_batch_size", "16", "--output_dir",
+                "runs/two"]  # fmt: skip
     launcher_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_") and k not in launcher_keys}
     env.update(ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     run = subprocess.run(
-        [*launch, "-m", "pods", "train", "--config", "train.yaml", *settings],
+        [*launch, "-m", "pods", "train", "--dataset_name", "data", "--reward_funcs", "rewards.py:exact",
+         "--prompt_template", '"Question: {problem}\\nAnswer:"', *settings],
         cwd=folder, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     calls = {tuple(line.split()) for line in (folder / "pids.txt").read_text().splitlines()}
     assert sorted(rank for rank, _ in calls) == ["0", "1"]  # one call per rank (one step), two processes
     assert len({pid for _, pid in calls}) == 2
+    config = yaml.safe_load((folder / "runs" / "two" / "config.yaml").read_text())
+    assert (
+        config["prompt_template"] == "Question: {problem}\nAnswer:"
+    )  # quoted on the command line: YAML text
 
 
 def test_compare_and_sweep_take_the_same_keys(tmp_path: Path) -> None:
@@ -516,3 +523,33 @@ def test_a_hub_dataset_that_is_not_cached_offline_says_to_give_a_local_path(
         HubUnavailableError, match=r"dataset_name 'no-such-owner/no-such-set' .*offline.*local file or folder"
     ):
         dataset_splits("no-such-owner/no-such-set")
+
+
+def test_eval_takes_a_training_yaml_s_data_keys_and_accuracy_reward() -> None:
+    """`pods eval --config train.yaml`: the example's dataset, template, split, completion length, and its
+    accuracy_reward `exact` as the reward_funcs entry that defines it; options given win."""
+    from pods.cli import build_parser
+    from pods.cli.evaluate import with_defaults
+
+    args, _ = build_parser().parse_known_args(
+        ["eval", "--model", "m", "--config", str(EXAMPLE / "train.yaml")]
+    )
+    with_defaults(args)
+    assert (args.dataset, args.dataset_name, args.split, args.max_new_tokens) == (None, "data", "test", 32)
+    assert (
+        args.prompt_template == "Question: {problem}\nAnswer:" and args.accuracy_reward == "rewards.py:exact"
+    )
+    words = [
+        "eval",
+        "--model",
+        "m",
+        "--config",
+        str(EXAMPLE / "train.yaml"),
+        "--dataset",
+        "arith",
+        "--split",
+        "x",
+    ]
+    args, _ = build_parser().parse_known_args(words)
+    with_defaults(args)
+    assert (args.dataset, args.dataset_name, args.prompt_template, args.split) == ("arith", None, None, "x")
