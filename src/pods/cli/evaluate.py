@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from pods.cli.common import first_line, option, quiet_libraries
 from pods.errors import ConfigError
@@ -91,11 +92,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    from pods.data import get_task
     from pods.evaluation import evaluate
     from pods.models import load_tokenizer
-    from pods.rewards.imported import resolve_reward
-    from pods.run_inputs import check_reward_columns
     from pods.scoring import reward_name
 
     with_defaults(args)
@@ -103,32 +101,8 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     model_dir = find_model_folder(args.model)
     model = load_model_for_eval(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    if (
-        args.dataset_name is not None
-    ):  # your own data: prompts as they are (or as chat with --prompt_style chat)
-        accuracy_fn = resolve_reward(args.accuracy_reward or "accuracy", "accuracy_reward")
-        style = args.prompt_style or "raw"
-        max_new_tokens = args.max_new_tokens or 512
-        dataset = user_rows(args, tokenizer)
-        check_reward_columns([accuracy_fn], dataset, f"--dataset_name {args.dataset_name} split {args.split}")
-    else:
-        task = get_task(args.dataset)
-        style = args.prompt_style or (
-            "plain" if task.prompt_style == "chat" and not tokenizer.chat_template else task.prompt_style
-        )
-        max_new_tokens = args.max_new_tokens or task.max_new_tokens
-        dataset = task.load(
-            args.split,
-            source=args.source,
-            prompt_style=style,
-            limit=args.limit,
-            system_prompt=args.system_prompt,
-        )
-        accuracy_fn = (
-            resolve_reward(args.accuracy_reward, "accuracy_reward")
-            if args.accuracy_reward
-            else task.accuracy_function()
-        )
+    choose = user_dataset if args.dataset_name is not None else task_dataset
+    dataset, accuracy_fn, style, max_new_tokens = choose(args, tokenizer)
     engine = eval_engine(args.rollout_engine, model, tokenizer, dataset, max_new_tokens, args.batch_size)
     result = evaluate(
         model,
@@ -146,8 +120,7 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     name = args.dataset or args.dataset_name
     report = {"model": str(model_dir), "dataset": name, "split": args.split, "prompt_style": style}
-    if args.dataset_name is not None:
-        report["accuracy_reward"] = reward_name(accuracy_fn)
+    report["accuracy_reward"] = reward_name(accuracy_fn)
     report.update(result.to_dict())
     label = args.dataset or Path(args.dataset_name.rstrip("/")).stem
     output = Path(args.output) if args.output else Path(f"eval-{label}-{args.protocol}.json")
@@ -191,38 +164,56 @@ def with_defaults(args: argparse.Namespace) -> None:
             else:
                 args.dataset_name = config.dataset_name
         from_config = args.dataset_name == config.dataset_name and args.dataset_name is not None
-        for key in DATA_KEYS[1:] if from_config else ("system_prompt",):
-            if getattr(args, key) is None:
-                setattr(args, key, getattr(config, key))
-        if args.split is None:
-            args.split = config.dataset_test_split if from_config else config.eval_split
-        if args.prompt_style is None:
-            args.prompt_style = config.prompt_style
-        if args.max_new_tokens is None:
-            args.max_new_tokens = config.max_completion_length
-        if args.accuracy_reward is None and (from_config or config.accuracy_reward):
-            from pods.run_inputs import accuracy_spec
+        same_task = config.dataset_name is None and args.dataset == (config.eval_task or config.task)
+        if from_config or same_task:  # the YAML's own dataset: score it as its run evaluated it
+            for key in DATA_KEYS[1:] if from_config else ("system_prompt",):
+                if getattr(args, key) is None:
+                    setattr(args, key, getattr(config, key))
+            args.split = args.split or (config.dataset_test_split if from_config else config.eval_split)
+            args.prompt_style = args.prompt_style or config.prompt_style
+            args.max_new_tokens = args.max_new_tokens or config.max_completion_length
+            if args.accuracy_reward is None:
+                from pods.run_inputs import accuracy_spec
 
-            args.accuracy_reward = accuracy_spec(config)
+                args.accuracy_reward = accuracy_spec(config)
     if (args.dataset is None) == (args.dataset_name is None):
         raise ConfigError(
-            "pods eval: name one dataset: --dataset TASK, --dataset_name FILE_OR_FOLDER_OR_HUB_ID, or --config "
+            "name one dataset: --dataset TASK, --dataset_name FILE_OR_FOLDER_OR_HUB_ID, or --config "
             "a training YAML"
         )
     args.split = args.split or "test"
     if args.dataset_name is None:
         given = [f"--{key}" for key in DATA_KEYS[1:-1] if getattr(args, key) is not None]
         if given:
-            raise ConfigError(
-                f"pods eval: {', '.join(given)} apply to --dataset_name, not to a task (--dataset)"
-            )
+            raise ConfigError(f"{', '.join(given)} apply to --dataset_name, not to a task (--dataset)")
 
 
-def user_rows(args: argparse.Namespace, tokenizer) -> list[dict]:
-    """``--split`` of ``--dataset_name`` as rows with a prompt (:mod:`pods.data.user`)."""
+def task_dataset(args: argparse.Namespace, tokenizer) -> tuple[Any, Any, str, int]:
+    """A task's split: its rows, accuracy function (or ``--accuracy_reward``), prompt style and completion budget."""
+    from pods.data import get_task
+    from pods.rewards.imported import resolve_reward
+
+    task = get_task(args.dataset)
+    style = args.prompt_style or (
+        "plain" if task.prompt_style == "chat" and not tokenizer.chat_template else task.prompt_style
+    )
+    dataset = task.load(
+        args.split, source=args.source, prompt_style=style, limit=args.limit, system_prompt=args.system_prompt
+    )
+    accuracy = args.accuracy_reward
+    accuracy_fn = resolve_reward(accuracy, "accuracy_reward") if accuracy else task.accuracy_function()
+    return dataset, accuracy_fn, style, args.max_new_tokens or task.max_new_tokens
+
+
+def user_dataset(args: argparse.Namespace, tokenizer) -> tuple[Any, Any, str, int]:
+    """``--split`` of ``--dataset_name`` (:mod:`pods.data.user`; prompts as they are, or chat with
+    ``--prompt_style chat``), its accuracy function (default ``accuracy``), style and completion budget."""
     from pods.data.user import load_dataset_rows
+    from pods.rewards.imported import resolve_reward
+    from pods.run_inputs import check_reward_columns
 
-    return load_dataset_rows(
+    accuracy_fn = resolve_reward(args.accuracy_reward or "accuracy", "accuracy_reward")
+    rows = load_dataset_rows(
         args.dataset_name,
         args.split,
         config=args.dataset_config,
@@ -234,6 +225,8 @@ def user_rows(args: argparse.Namespace, tokenizer) -> list[dict]:
         tokenizer=tokenizer,
         limit=args.limit,
     )
+    check_reward_columns([accuracy_fn], rows, f"--dataset_name {args.dataset_name} split {args.split}")
+    return rows, accuracy_fn, args.prompt_style or "raw", args.max_new_tokens or 512
 
 
 def eval_engine(requested: str, model, tokenizer, dataset, max_new_tokens: int, batch_size: int):
