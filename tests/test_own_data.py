@@ -553,3 +553,22 @@ def test_eval_takes_a_training_yaml_s_data_keys_and_accuracy_reward() -> None:
     args, _ = build_parser().parse_known_args(words)
     with_defaults(args)
     assert (args.dataset, args.dataset_name, args.prompt_template, args.split) == ("arith", None, None, "x")
+
+
+def test_evaluation_passes_every_column_and_names_a_failing_accuracy_reward(
+    rewards_file: Path, tiny_model_dir: Path
+) -> None:
+    """The accuracy reward gets the rows' columns (`level`) at evaluation too, and one that raises is named, with
+    the completion, as in training."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pods.evaluation import evaluate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [{"prompt": "a", "level": 1}, {"prompt": "b", "level": 0}]
+    options = {"max_new_tokens": 2, "prompt_style": "raw"}
+    result = evaluate(model, tokenizer, rows, resolve_reward(f"{rewards_file}:seen"), **options)
+    assert result.accuracy == 0.5  # level 1 scores 1.0 (right), level 0 scores 0.0
+    with pytest.raises(RewardFunctionError, match=r"'no_kwargs' raised TypeError.*on completion 0"):
+        evaluate(model, tokenizer, rows, resolve_reward(f"{rewards_file}:no_kwargs"), **options)

@@ -75,6 +75,7 @@ def evaluate(
     other engine (vLLM, which schedules its own batches) gets the whole set in one call.
     """
     from pods.prompts import render_prompt
+    from pods.scoring import score_completions
 
     if protocol not in ("greedy", "sampled"):
         raise ValueError(f"unknown evaluation protocol {protocol!r}; choose greedy or sampled")
@@ -99,10 +100,11 @@ def evaluate(
         rollouts = engine.generate(rendered, k, sampling)
         prompts = [row["prompt"] for row in chunk for _ in range(k)]
         columns = {key: [row[key] for row in chunk for _ in range(k)] for key in chunk[0] if key != "prompt"}
-        scores = accuracy_fn(
-            prompts=prompts, completions=rollouts.texts, **columns
-        )  # every column, as in training
-        correct = torch.tensor([s is not None and s > 0.5 for s in scores])
+        pairs = zip(rollouts.completion_ids, rollouts.completion_mask, strict=True)
+        ids = [row[mask.bool()].tolist() for row, mask in pairs]
+        # every column, as in training; a failing function is named with the completion it fails on
+        _, scores = score_completions([accuracy_fn], None, prompts, rollouts.texts, ids, columns)
+        correct = next(iter(scores.values())) > 0.5  # None (NaN): not right
         formatted = torch.tensor([follows_format(text, prompt_style) for text in rollouts.texts])
         totals += torch.stack([correct.sum(), formatted.sum(), (correct & formatted).sum()]).double()
 
