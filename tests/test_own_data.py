@@ -572,3 +572,13 @@ def test_evaluation_passes_every_column_and_names_a_failing_accuracy_reward(
     assert result.accuracy == 0.5  # level 1 scores 1.0 (right), level 0 scores 0.0
     with pytest.raises(RewardFunctionError, match=r"'no_kwargs' raised TypeError.*on completion 0"):
         evaluate(model, tokenizer, rows, resolve_reward(f"{rewards_file}:no_kwargs"), **options)
+
+
+def test_dataset_config_picks_a_local_folder_s_sub_folder(tmp_path: Path) -> None:
+    for config in ("main", "socratic"):
+        write_jsonl(tmp_path / "d" / config / "train.jsonl", [{"prompt": config}])
+    assert [r["prompt"] for r in load_dataset_rows(str(tmp_path / "d"), "train", config="socratic")] == [
+        "socratic"
+    ]
+    with pytest.raises(TaskDataError, match=r"no sub-folder 'other' \(it has \['main', 'socratic'\]\)"):
+        load_dataset_rows(str(tmp_path / "d"), "train", config="other")

@@ -38,7 +38,7 @@ def dataset_splits(name: str, config: str | None = None) -> list[str]:
     """The splits a dataset has: a file's one (``train``), a folder's file names, a Hub dataset's splits."""
     if not is_local_source(name):
         return sorted(_hub_dataset(name, config))
-    path = _existing(name)
+    path = _existing(name, config)
     if path.is_file():
         return [_LOCAL_FILE_SPLIT]
     names = set()
@@ -59,7 +59,7 @@ def read_split(name: str, split: str, config: str | None = None) -> list[Record]
     if not is_local_source(name):
         dataset = _hub_dataset(name, config)[split]
         return [(f"{name}[{split}] row {i}", dict(row)) for i, row in enumerate(dataset)]
-    path = _existing(name)
+    path = _existing(name, config)
     files = [path] if path.is_file() else split_files(path, split)
     return [record for file in files for record in read_file(file)]
 
@@ -182,13 +182,22 @@ def _is_file(name: str) -> bool:
     return is_local_source(name) and Path(name).expanduser().is_file()
 
 
-def _existing(name: str) -> Path:
+def _existing(name: str, config: str | None = None) -> Path:
+    """The local file or folder; with ``dataset_config``, the folder's sub-folder of that name (one per config)."""
     path = Path(name).expanduser()
     if not path.exists():
         raise MissingDataError(
             f"dataset_name {name!r}: no such file or folder; give a .jsonl, .json, .parquet or .csv file, a folder "
             "with one file per split (train.jsonl, test.jsonl), or a Hub dataset id (owner/name)"
         )
+    if config is not None and path.is_dir():
+        if not (path / config).is_dir():
+            folders = sorted(p.name for p in path.iterdir() if p.is_dir())
+            raise MissingDataError(
+                f"dataset_config {config!r}: {path} has no sub-folder {config!r} (it has {folders}); drop "
+                "dataset_config or name one of them"
+            )
+        path = path / config
     return path
 
 
