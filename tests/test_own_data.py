@@ -301,6 +301,7 @@ def test_a_split_the_source_lacks_names_the_splits_it_has(tmp_path: Path) -> Non
         ("my_rewards.py:nope", r"my_rewards.py has no 'nope'; it defines .*exact"),
         ("my_rewards.py:NOT_A_FUNCTION", r"is a int, not a function"),
         ("acuracy", r"unknown reward function 'acuracy'; built in: accuracy.*file.py:function"),
+        ("my_rewards.py", r"cannot read 'my_rewards.py'; write file.py:function"),
     ],
 )
 def test_an_import_that_fails_names_the_file_or_module_and_the_error(

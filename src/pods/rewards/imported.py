@@ -34,7 +34,7 @@ def import_function(spec: str, key: str = "reward_funcs") -> Any:
     """The callable a ``file.py:function``, ``module:function`` or ``module.function`` spec names (a module is
     looked up from the current folder first, as TRL's script does)."""
     where, sep, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
-    if not sep or not where or not name:
+    if not sep or not where or not name or spec.endswith(".py"):
         raise RewardImportError(
             f"{key}: cannot read {spec!r}; write file.py:function, package.module:function or a built-in name"
         )
