@@ -404,10 +404,10 @@ def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_rep
             "target",
         ]  # the example ships this layout; the test exports to it
     export_arith(folder / "data", "train", 400)
-    export_arith(folder / "data", "test", 60)
+    export_arith(folder / "data", "test", 40)
     record_calls(folder / "rewards.py")
     settings = ["--max_time", "null", "--max_steps", "4", "--eval_at_seconds", "[]", "--eval_every_seconds", "null",
-                "--eval_limit", "60", "--rollout_engine", "hf", "--async_generation", "true", "--progress", "false",
+                "--eval_limit", "40", "--rollout_engine", "hf", "--async_generation", "true", "--progress", "false",
                 "--save_every_seconds", "null"]  # fmt: skip
     run = subprocess.run(
         [sys.executable, "-m", "pods", "train", "--config", "train.yaml", *settings],
@@ -430,12 +430,12 @@ def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_rep
     result = subprocess.run(
         [sys.executable, "-m", "pods", "eval", "--model", "runs/own-task", "--dataset_name", "data",
          "--prompt_template", "Question: {problem}\nAnswer:", "--accuracy_reward", "rewards.py:exact",
-         "--max_new_tokens", "32", "--rollout_engine", "hf", "--limit", "60", "--output", str(report)],
+         "--max_new_tokens", "32", "--rollout_engine", "hf", "--limit", "40", "--output", str(report)],
         cwd=folder, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     scored = json.loads(report.read_text())
-    assert (scored["dataset"], scored["accuracy_reward"], scored["num_problems"]) == ("data", "exact", 60)
+    assert (scored["dataset"], scored["accuracy_reward"], scored["num_problems"]) == ("data", "exact", 40)
     assert scored["accuracy"] == pytest.approx(evals[-1]["accuracy"])
     assert (
         yaml.safe_load((folder / "runs" / "own-task" / "config.yaml").read_text())["dataset_name"] == "data"
