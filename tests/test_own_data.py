@@ -268,6 +268,9 @@ def test_a_missing_column_names_the_columns_the_file_has(tmp_path: Path) -> None
         load_dataset_rows(str(path), "train")
     with pytest.raises(TaskDataError, match=r"no column 'solution' \(answer_column\); the columns are"):
         load_dataset_rows(str(path), "train", prompt_column="problem", answer_column="solution")
+    clash = write_jsonl(tmp_path / "clash.jsonl", [{"prompt": "1+1", "completions": 2}])
+    with pytest.raises(TaskDataError, match=r"column\(s\) \['completions'\] would clash.*rename them"):
+        load_dataset_rows(str(clash), "train")
     rows = load_dataset_rows(str(path), "train", prompt_column="problem")
     with pytest.raises(ConfigError, match=r"lacks.*columns: problem, target.*set answer_column"):
         check_reward_columns(

@@ -31,6 +31,7 @@ from pods.prompts import render_prompt
 __all__ = ["build_prompt", "dataset_splits", "fill_template", "load_dataset_rows", "read_split"]
 
 _FIELD = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids")  # every other column reaches rewards as is
 _LOCAL_FILE_SPLIT = "train"  # a single file is one split, named as datasets.load_dataset names it
 
 
@@ -148,6 +149,12 @@ def load_dataset_rows(
     rows = []
     for where, row in read_split(name, split, config):
         row = dict(row)
+        clash = sorted(set(row) & set(REWARD_ARGUMENTS))
+        if clash:
+            raise TaskDataError(
+                f"{where}: column(s) {clash} would clash with the reward functions' own arguments "
+                f"({', '.join(REWARD_ARGUMENTS)}); rename them in the file"
+            )
         if answer_column is not None:
             if answer_column not in row or row[answer_column] is None:
                 raise TaskDataError(
