@@ -96,17 +96,16 @@ def build_prompt(
     if prompt_template is not None:
         prompt: Any = fill_template(prompt_template, row, where)
     elif prompt_column not in row:
+        example = "{" + next(iter(row), "column") + "}"
         raise TaskDataError(
             f"{where}: no column {prompt_column!r}; the columns are {sorted(row)}: set prompt_column to the "
-            "one that holds the prompt, or prompt_template to build it, e.g. 'Question: {"
-            + _first(row)
-            + "}'"
+            f"one that holds the prompt, or prompt_template to build it, e.g. 'Question: {example}'"
         )
     else:
         prompt = row[prompt_column]
     if isinstance(prompt, str):
         if not chat:
-            if system_prompt is not None:
+            if system_prompt:
                 raise TaskDataError(
                     f"system_prompt is a chat message, and {where} has a text prompt: set prompt_style: chat "
                     "(the text becomes the user message) or drop system_prompt"
@@ -179,10 +178,6 @@ def load_dataset_rows(
         lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
         rows = [row for row, n in zip(rows, lengths, strict=True) if n <= max_prompt_tokens]
     return rows if limit is None else rows[:limit]
-
-
-def _first(row: dict[str, Any]) -> str:
-    return next(iter(row), "column")
 
 
 def _is_file(name: str) -> bool:
