@@ -95,9 +95,9 @@ def test_trl_standard_and_conversational_rows_work_as_they_are(tmp_path: Path) -
     row = load_dataset_rows(str(tmp_path / "chat"), "validation", system_prompt="Be brief.")[0]
     assert row["prompt"] == [{"role": "system", "content": "Be brief."}, *chat] and row["solution"] == "4"
     wrapped = load_dataset_rows(str(standard), "train", prompt_style="chat")[0]["prompt"]
-    assert wrapped == [
-        {"role": "user", "content": "2+2="}
-    ]  # prompt_style chat: text becomes the user message
+    assert wrapped == [{"role": "user", "content": "2+2="}]  # prompt_style chat: the text is the user message
+    with pytest.raises(TaskDataError, match="has a text prompt: set prompt_style: chat"):
+        load_dataset_rows(str(standard), "train", system_prompt="Be brief.")
 
 
 def test_other_layouts_through_a_template_an_answer_column_and_csv(tmp_path: Path) -> None:
