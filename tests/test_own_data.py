@@ -440,9 +440,8 @@ def test_the_own_task_example_trains_and_evaluates_from_a_folder_outside_the_rep
     scored = json.loads(report.read_text())
     assert (scored["dataset"], scored["accuracy_reward"], scored["num_problems"]) == ("data", "exact", 40)
     assert scored["accuracy"] == pytest.approx(evals[-1]["accuracy"])
-    assert (
-        yaml.safe_load((folder / "runs" / "own-task" / "config.yaml").read_text())["dataset_name"] == "data"
-    )
+    run_config = yaml.safe_load((folder / "runs" / "own-task" / "config.yaml").read_text())
+    assert run_config["dataset_name"] == "data"
 
 
 @pytest.mark.slow
@@ -486,9 +485,8 @@ def test_two_processes_under_accelerate_launch_each_import_the_rewards(tmp_path:
     assert sorted(rank for rank, _ in calls) == ["0", "1"]  # one call per rank (one step), two processes
     assert len({pid for _, pid in calls}) == 2
     config = yaml.safe_load((folder / "runs" / "two" / "config.yaml").read_text())
-    assert (
-        config["prompt_template"] == "Question: {problem}\nAnswer:"
-    )  # quoted on the command line: YAML text
+    # quoted on the command line, the value is YAML text: its \n is a newline
+    assert config["prompt_template"] == "Question: {problem}\nAnswer:"
 
 
 def test_compare_and_sweep_take_the_same_keys(tmp_path: Path) -> None:
@@ -540,9 +538,8 @@ def test_eval_takes_a_training_yaml_s_data_keys_and_accuracy_reward() -> None:
     )
     with_defaults(args)
     assert (args.dataset, args.dataset_name, args.split, args.max_new_tokens) == (None, "data", "test", 32)
-    assert (
-        args.prompt_template == "Question: {problem}\nAnswer:" and args.accuracy_reward == "rewards.py:exact"
-    )
+    assert args.prompt_template == "Question: {problem}\nAnswer:"
+    assert args.accuracy_reward == "rewards.py:exact"
     words = [
         "eval",
         "--model",
