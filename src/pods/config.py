@@ -72,6 +72,15 @@ class TrainConfig:
     prompt_style: str | None = None  # chat (tokenizer's chat template), plain or raw; None = the task's
     max_prompt_length: int | None = 512  # longer prompts are filtered out of the data
     train_limit: int | None = None
+    dataset_name: str | None = None  # your data instead of task: a Hub id, a .jsonl/.json/.parquet/.csv file,
+    # or a folder with a file per split (docs/tasks.md "Your own data and rewards"); TRL's names from here on
+    dataset_config: str | None = None  # dataset_name: the Hub dataset's configuration (subset)
+    dataset_train_split: str = "train"  # dataset_name: the split trained on (a single file is split train)
+    dataset_test_split: str = "test"  # dataset_name: the split evaluated on
+    prompt_column: str = "prompt"  # dataset_name: the column holding the prompt, as text or as chat messages
+    prompt_template: str | None = None  # dataset_name: the prompt built from columns, e.g. "Q: {problem}\nA:"
+    answer_column: str | None = None  # dataset_name: copied into `answer`, which the built-in checkers read
+    system_prompt: str | None = None  # a system message for chat prompts (tasks: None = the think/answer one)
 
     # --- rollouts ---
     num_generations: int | str = 16  # n: completions generated per prompt, or "auto" (chosen as it runs)
@@ -128,8 +137,11 @@ class TrainConfig:
     weight_sync_backend: str = "auto"  # async: shared_memory, gloo, nccl; auto: nccl between 2 GPUs
 
     # --- rewards and loss ---
-    reward_funcs: list[str] | None = None  # names in pods.rewards; None = the task's (arith: accuracy)
-    reward_weights: list[float] | None = None
+    reward_funcs: list[str] | None = None  # built-ins, file.py:function, module:function; None: the task's
+    reward_weights: list[float] | None = None  # one per reward (the reward model first, where there is one)
+    reward_model_name_or_path: str | None = None  # a sequence-classification checkpoint as the first reward
+    accuracy_reward: str | None = None  # the reward whose mean on the test split is eval accuracy; None: the
+    # task's accuracy function, or with dataset_name the first of reward_funcs
     multi_objective_aggregation: str = "sum_then_normalize"  # or normalize_then_sum (TRL's; GDPO)
     reward_timeout: float | None = (
         None  # seconds per reward-function call; past it the run ends (None = no limit)
@@ -314,11 +326,21 @@ class TrainConfig:
             "reward_funcs",
             "needs at least one reward function (or null for the task's)",
         )
+        _require(
+            self.dataset_name is None
+            or bool(self.reward_funcs)
+            or self.reward_model_name_or_path is not None,
+            "reward_funcs",
+            "your dataset_name needs rewards: built-in names (accuracy with an answer_column), file.py:function, "
+            "module:function, or reward_model_name_or_path",
+        )
         if self.reward_weights is not None and self.reward_funcs is not None:
+            model = [self.reward_model_name_or_path] if self.reward_model_name_or_path else []
             _require(
-                len(self.reward_weights) == len(self.reward_funcs),
+                len(self.reward_weights) == len(self.reward_funcs) + len(model),
                 "reward_weights",
-                f"has {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs",
+                f"has {len(self.reward_weights)} weights for {len(self.reward_funcs)} reward_funcs"
+                + (" and the reward model (its weight first)" if model else ""),
             )
         _require(
             self.max_steps is not None or self.max_time is not None,
@@ -488,9 +510,24 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             key, sep, raw = item.partition("=")
             if not sep:
                 raise ConfigError(f"cannot read override {item!r}: write --key value or key=value")
-        overrides[key.replace("-", "_")] = _parse_value(raw)
+        key = key.replace("-", "_")
+        as_written = _text_only(key) and raw not in ("null", "~") and not _quoted(raw)
+        overrides[key] = raw if as_written else _parse_value(raw)
         index += 1
     return overrides
+
+
+def _quoted(raw: str) -> bool:
+    """``"..."`` or ``'...'``: YAML text, e.g. with ``\\n`` escapes in double quotes."""
+    return len(raw) >= 2 and raw[0] in "\"'" and raw[-1] == raw[0]
+
+
+def _text_only(key: str) -> bool:
+    """A key whose value is text (or null): the command line's value is taken as written, so that a template
+    such as ``Question: {problem}`` stays text instead of being read as a YAML mapping."""
+    hint = _HINTS.get(key)
+    allowed = set(get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
+    return hint is not None and allowed <= {str, type(None)}
 
 
 def _parse_value(raw: str) -> Any:

@@ -67,13 +67,15 @@ def evaluate(
     progress: bool = False,
     engine: RolloutEngine | None = None,
 ) -> EvalResult:
-    """Score ``model`` on every row of ``dataset`` (columns ``prompt``, ``answer``), sharded over processes.
+    """Score ``model`` on every row of ``dataset`` (a ``prompt`` column; every other column reaches ``accuracy_fn``
+    as a keyword, e.g. ``answer``), sharded over processes.
 
     ``engine`` samples the completions (the trainer passes its own, which holds the training weights);
     by default HF ``generate`` on ``model``. HF ``generate`` gets ``batch_size`` completions per call; any
     other engine (vLLM, which schedules its own batches) gets the whole set in one call.
     """
     from pods.prompts import render_prompt
+    from pods.scoring import score_completions
 
     if protocol not in ("greedy", "sampled"):
         raise ValueError(f"unknown evaluation protocol {protocol!r}; choose greedy or sampled")
@@ -96,9 +98,13 @@ def evaluate(
         chunk = rows[begin : begin + prompts_per_batch]
         rendered = [render_prompt(row["prompt"], tokenizer) for row in chunk]
         rollouts = engine.generate(rendered, k, sampling)
-        answers = [row["answer"] for row in chunk for _ in range(k)]
         prompts = [row["prompt"] for row in chunk for _ in range(k)]
-        correct = torch.tensor(accuracy_fn(prompts=prompts, completions=rollouts.texts, answer=answers)) > 0.5
+        columns = {key: [row[key] for row in chunk for _ in range(k)] for key in chunk[0] if key != "prompt"}
+        pairs = zip(rollouts.completion_ids, rollouts.completion_mask, strict=True)
+        ids = [row[mask.bool()].tolist() for row, mask in pairs]
+        # every column, as in training; a failing function is named with the completion it fails on
+        _, scores = score_completions([accuracy_fn], None, prompts, rollouts.texts, ids, columns)
+        correct = next(iter(scores.values())) > 0.5  # None (NaN): not right
         formatted = torch.tensor([follows_format(text, prompt_style) for text in rollouts.texts])
         totals += torch.stack([correct.sum(), formatted.sum(), (correct & formatted).sum()]).double()
 

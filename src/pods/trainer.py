@@ -77,6 +77,7 @@ from pods.rollout_worker import (
     save_in_flight,
 )
 from pods.run_folder import require_shared_folder
+from pods.run_inputs import accuracy_function, check_reward_columns, dataset_rows, reward_functions
 from pods.scoring import RewardFunction, reward_name
 from pods.update import NonFiniteGuard, policy_update
 from pods.weight_sync import resolve_placement
@@ -117,10 +118,8 @@ class PODSTrainer:
         self.config = cfg = config
         if reward_funcs is None:
             check_names(cfg)
-            from pods.rewards import get_reward_functions
-
             self.task = get_task(cfg.task)
-            reward_funcs = get_reward_functions(cfg.reward_funcs or list(self.task.reward_funcs))
+            reward_funcs = reward_functions(cfg)  # built-in names, import paths, a reward model
         else:
             from pods.selection import get_rule
 
@@ -176,7 +175,9 @@ class PODSTrainer:
             train_dataset, cfg.task, cfg.task_source, cfg.train_split, cfg.train_limit
         )
         self.eval_dataset = eval_dataset if eval_dataset is not None else self._load_eval_dataset()
-        self.accuracy_fn = get_task(cfg.eval_task or cfg.task).accuracy_function()
+        self.accuracy_fn = accuracy_function(cfg, reward_funcs)
+        if cfg.dataset_name is not None and train_dataset is None:  # your rewards against your columns, now
+            check_reward_columns(reward_funcs, self.train_rows, f"dataset_name {cfg.dataset_name!r}")
 
         trainable = [p for p in self.policy.model.parameters() if p.requires_grad]
         optimizer = build_optimizer(cfg, trainable, deepspeed=acc.state.deepspeed_plugin is not None)
@@ -512,6 +513,9 @@ class PODSTrainer:
     def _load_rows(
         self, dataset: Any, task: str, source: str | None, split: str, limit: int | None
     ) -> list[dict]:
+        if dataset is None and self.config.dataset_name is not None:
+            split = self.config.dataset_train_split
+            dataset = dataset_rows(self.config, split, tokenizer=self.tokenizer, limit=limit)
         if dataset is None:
             from pods.data import load_task
 
@@ -524,6 +528,7 @@ class PODSTrainer:
                 max_prompt_tokens=self.config.max_prompt_length,
                 limit=limit,
                 seed=self.config.seed,
+                system_prompt=self.config.system_prompt,
             )
         return [dataset[i] for i in range(len(dataset))]
 
@@ -531,6 +536,8 @@ class PODSTrainer:
         cfg = self.config
         if not cfg.eval_at_start and cfg.eval_every_seconds is None and not cfg.eval_at_seconds:
             return None
+        if cfg.dataset_name is not None:
+            return dataset_rows(cfg, cfg.dataset_test_split, tokenizer=self.tokenizer, limit=cfg.eval_limit)
         from pods.data import load_task
 
         return load_task(
@@ -542,6 +549,7 @@ class PODSTrainer:
             max_prompt_tokens=cfg.max_prompt_length,
             limit=cfg.eval_limit,
             seed=cfg.seed,
+            system_prompt=cfg.system_prompt,
         )
 
 

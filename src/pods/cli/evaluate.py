@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from pods.cli.common import first_line, option, quiet_libraries
 from pods.errors import ConfigError
@@ -20,10 +21,40 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--model", required=True, help="model folder, hub name, 'embedded', checkpoint or run folder"
     )
     evaluate.add_argument(
-        "--dataset", required=True, help="gsm8k, math500, math, arith, arith-hard (or a registered task)"
+        "--dataset", help="a task: gsm8k, math500, math, arith, arith-hard (or a registered task)"
     )
-    evaluate.add_argument("--source", help="hub name or local file/folder of the dataset (default: the hub)")
-    evaluate.add_argument("--split", default="test")
+    evaluate.add_argument(
+        "--source", help="hub name or local file/folder of the task's data (default: the hub)"
+    )
+    option(
+        evaluate,
+        "split",
+        "--dataset_test_split",
+        "--dataset-test-split",
+        help="the split scored (default: test)",
+    )
+    evaluate.add_argument(
+        "--config",
+        help="a training YAML (or preset): its data keys (task, or dataset_name and the keys below) and accuracy "
+        "reward are the defaults, so that a run is scored as it was evaluated while training",
+    )
+    user = evaluate.add_argument_group("your own data (docs/tasks.md): instead of --dataset")
+    option(
+        user,
+        "dataset_name",
+        help="a Hub dataset id, or a .jsonl/.json/.parquet/.csv file or a folder of them",
+    )
+    option(user, "dataset_config", help="the Hub dataset's configuration")
+    option(user, "prompt_column", help="the column with the prompt, text or chat messages (default: prompt)")
+    option(user, "prompt_template", help="the prompt from columns instead, e.g. 'Question: {problem}'")
+    option(user, "answer_column", help="the column copied into 'answer', which the built-in checkers read")
+    option(user, "system_prompt", help="a system message added to chat prompts")
+    option(
+        user,
+        "accuracy_reward",
+        help="the function scored as accuracy: a built-in name, file.py:function, module:function or a reward "
+        "model (default: the task's; with --dataset_name: accuracy)",
+    )
     evaluate.add_argument(
         "--protocol",
         choices=("greedy", "sampled"),
@@ -35,7 +66,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--temperature", type=float, default=0.9, help="for --protocol sampled (default: 0.9)"
     )
     evaluate.add_argument("--limit", type=int, help="evaluate on the first N problems only")
-    option(evaluate, "max_new_tokens", type=int, help="default: the task's (32 for arith, 512 otherwise)")
+    option(
+        evaluate,
+        "max_new_tokens",
+        type=int,
+        help="default: --config's max_completion_length, else the task's (32 for arith, 512 otherwise; 512 for "
+        "--dataset_name)",
+    )
     option(evaluate, "batch_size", type=int, default=64, help="completions generated at once")
     option(
         evaluate,
@@ -55,26 +92,23 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    from pods.data import get_task
     from pods.evaluation import evaluate
     from pods.models import load_tokenizer
+    from pods.scoring import reward_name
 
+    with_defaults(args)
     quiet_libraries()
     model_dir = find_model_folder(args.model)
     model = load_model_for_eval(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    task = get_task(args.dataset)
-    style = args.prompt_style or (
-        "plain" if task.prompt_style == "chat" and not tokenizer.chat_template else task.prompt_style
-    )
-    max_new_tokens = args.max_new_tokens or task.max_new_tokens
-    dataset = task.load(args.split, source=args.source, prompt_style=style, limit=args.limit)
+    choose = user_dataset if args.dataset_name is not None else task_dataset
+    dataset, accuracy_fn, style, max_new_tokens = choose(args, tokenizer)
     engine = eval_engine(args.rollout_engine, model, tokenizer, dataset, max_new_tokens, args.batch_size)
     result = evaluate(
         model,
         tokenizer,
         dataset,
-        task.accuracy_function(),
+        accuracy_fn,
         protocol=args.protocol,
         samples=args.samples,
         temperature=args.temperature,
@@ -84,21 +118,115 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         progress=True,
         engine=engine,
     )
-    report = {"model": str(model_dir), "dataset": args.dataset, "split": args.split, "prompt_style": style}
+    name = args.dataset or args.dataset_name
+    report = {"model": str(model_dir), "dataset": name, "split": args.split, "prompt_style": style}
+    report["accuracy_reward"] = reward_name(accuracy_fn)
     report.update(result.to_dict())
-    output = Path(args.output) if args.output else Path(f"eval-{args.dataset}-{args.protocol}.json")
+    label = args.dataset or Path(args.dataset_name.rstrip("/")).stem
+    output = Path(args.output) if args.output else Path(f"eval-{label}-{args.protocol}.json")
     output.write_text(json.dumps(report, indent=2))
     what = (
         "greedy pass@1"
         if args.protocol == "greedy"
         else f"sampled, T={args.temperature}, {args.samples} per problem"
     )
-    print(f"{args.dataset} {args.split} ({result.num_problems} problems, {what}), {model_dir}:")
+    print(f"{name} {args.split} ({result.num_problems} problems, {what}), {model_dir}:")
     print(
         f"  accuracy {result.accuracy:.2%}   format {result.format_accuracy:.2%}   both {result.correct_and_formatted:.2%}"
     )
     print(f"  report written to {output} ({result.seconds:.0f} s)")
     return 0
+
+
+DATA_KEYS = (
+    "dataset_name",
+    "dataset_config",
+    "prompt_column",
+    "prompt_template",
+    "answer_column",
+    "system_prompt",
+)
+
+
+def with_defaults(args: argparse.Namespace) -> None:
+    """Fill what the command line leaves unset from ``--config`` (a training YAML), then check that one dataset
+    is named: a task (``--dataset``) or your own (``--dataset_name``)."""
+    if args.config:
+        from pods.cli.common import load_train_config
+
+        config = load_train_config(args.config, [])
+        if args.dataset is None and args.dataset_name is None:
+            if config.dataset_name is None:
+                args.dataset = config.eval_task or config.task
+                args.source = (
+                    args.source or config.eval_source or (None if config.eval_task else config.task_source)
+                )
+            else:
+                args.dataset_name = config.dataset_name
+        from_config = args.dataset_name == config.dataset_name and args.dataset_name is not None
+        same_task = config.dataset_name is None and args.dataset == (config.eval_task or config.task)
+        if from_config or same_task:  # the YAML's own dataset: score it as its run evaluated it
+            for key in DATA_KEYS[1:] if from_config else ("system_prompt",):
+                if getattr(args, key) is None:
+                    setattr(args, key, getattr(config, key))
+            args.split = args.split or (config.dataset_test_split if from_config else config.eval_split)
+            args.prompt_style = args.prompt_style or config.prompt_style
+            args.max_new_tokens = args.max_new_tokens or config.max_completion_length
+            if args.accuracy_reward is None:
+                from pods.run_inputs import accuracy_spec
+
+                args.accuracy_reward = accuracy_spec(config)
+    if (args.dataset is None) == (args.dataset_name is None):
+        raise ConfigError(
+            "name one dataset: --dataset TASK, --dataset_name FILE_OR_FOLDER_OR_HUB_ID, or --config "
+            "a training YAML"
+        )
+    args.split = args.split or "test"
+    if args.dataset_name is None:
+        given = [f"--{key}" for key in DATA_KEYS[1:-1] if getattr(args, key) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} apply to --dataset_name, not to a task (--dataset)")
+
+
+def task_dataset(args: argparse.Namespace, tokenizer) -> tuple[Any, Any, str, int]:
+    """A task's split: its rows, accuracy function (or ``--accuracy_reward``), prompt style and completion budget."""
+    from pods.data import get_task
+    from pods.rewards.imported import resolve_reward
+
+    task = get_task(args.dataset)
+    style = args.prompt_style or (
+        "plain" if task.prompt_style == "chat" and not tokenizer.chat_template else task.prompt_style
+    )
+    dataset = task.load(
+        args.split, source=args.source, prompt_style=style, limit=args.limit, system_prompt=args.system_prompt
+    )
+    accuracy = args.accuracy_reward
+    accuracy_fn = resolve_reward(accuracy, "accuracy_reward") if accuracy else task.accuracy_function()
+    return dataset, accuracy_fn, style, args.max_new_tokens or task.max_new_tokens
+
+
+def user_dataset(args: argparse.Namespace, tokenizer) -> tuple[Any, Any, str, int]:
+    """``--split`` of ``--dataset_name`` (:mod:`pods.data.user`; prompts as they are, or chat with
+    ``--prompt_style chat``), its accuracy function (default ``accuracy``), style and completion budget."""
+    from pods.data.user import load_dataset_rows
+    from pods.rewards.imported import resolve_reward
+    from pods.run_inputs import check_reward_columns
+
+    accuracy_fn = resolve_reward(args.accuracy_reward or "accuracy", "accuracy_reward")
+    rows = load_dataset_rows(
+        args.dataset_name,
+        args.split,
+        config=args.dataset_config,
+        prompt_column=args.prompt_column or "prompt",
+        prompt_template=args.prompt_template,
+        answer_column=args.answer_column,
+        system_prompt=args.system_prompt,
+        prompt_style=None if args.prompt_style == "raw" else args.prompt_style,
+        tokenizer=tokenizer,
+        limit=args.limit,
+    )
+    check_reward_columns([accuracy_fn], rows, f"--dataset_name {args.dataset_name} split {args.split}")
+    return rows, accuracy_fn, args.prompt_style or "raw", args.max_new_tokens or 512
 
 
 def eval_engine(requested: str, model, tokenizer, dataset, max_new_tokens: int, batch_size: int):

@@ -16,7 +16,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         "train",
         allow_abbrev=False,
         help="RL fine-tuning with PODS (default: the embedded arithmetic demo on a CPU, ~5 minutes)",
-        description="Train with GRPO + PODS. With no arguments: the embedded CPU demo (configs/embedded.yaml).",
+        description="Train with GRPO + PODS. With no arguments: the embedded CPU demo (configs/embedded.yaml).\n"
+        "Your own data and rewards (docs/tasks.md): --dataset_name FILE_FOLDER_OR_HUB_ID\n"
+        "  --reward_funcs '[rewards.py:function, accuracy]', and --prompt_column, --prompt_template,\n"
+        "  --answer_column, --reward_model_name_or_path, --accuracy_reward.",
         epilog=_config_keys_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -51,7 +54,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if result.first_eval and result.last_eval and result.first_eval is not result.last_eval:
         first, last = result.first_eval, result.last_eval
         print(
-            f"Held-out accuracy ({last['protocol']}, {last['num_problems']} problems of {config.eval_task or config.task}): "
+            f"Held-out accuracy ({last['protocol']}, {last['num_problems']} problems of {config.dataset_name or config.eval_task or config.task}): "
             f"{first['accuracy']:.1%} -> {last['accuracy']:.1%} "
             f"({100 * (last['accuracy'] - first['accuracy']):+.1f} points)"
         )

@@ -1,4 +1,4 @@
-"""Shared loading helpers: local JSONL/JSON/Parquet files or folders, or the Hugging Face Hub, with
+"""Shared loading helpers: local JSONL/JSON/Parquet/CSV files or folders, or the Hugging Face Hub, with
 errors that name the file and line (or the hub row) and say how to fix the problem."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ __all__ = [
 Record = tuple[str, dict[str, Any]]
 """A row and where it came from ("path:line" or "hub-name[split] row i"), for error messages."""
 
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 class TaskDataError(ConfigError):
@@ -57,16 +57,22 @@ def is_local_source(source: str | os.PathLike[str]) -> bool:
 
 
 def read_file(path: Path) -> list[Record]:
-    """All rows of a ``.jsonl``, ``.json`` (a list of objects) or ``.parquet`` file."""
+    """All rows of a ``.jsonl``, ``.json`` (a list of objects), ``.parquet`` or ``.csv`` (a header line) file."""
     if not path.is_file():
         raise MissingDataError(f"data file {path} does not exist.")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+    if path.suffix in (".parquet", ".csv"):
+        import pyarrow.csv
+        import pyarrow.parquet
 
+        kind, read = (
+            ("Parquet", pyarrow.parquet.read_table)
+            if path.suffix == ".parquet"
+            else ("CSV", pyarrow.csv.read_csv)
+        )
         try:
-            table = pq.read_table(path)
+            table = read(path)
         except Exception as error:
-            raise TaskDataError(f"{path}: not a readable Parquet file ({error}).") from error
+            raise TaskDataError(f"{path}: not a readable {kind} file ({error}).") from error
         return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist())]
     records: list[Record] = []
     with path.open(encoding="utf-8") as f:

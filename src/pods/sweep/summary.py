@@ -201,7 +201,7 @@ def summarise_and_write(
     from pods.plotting import plot_sweep_curves, plot_sweep_values
 
     curves = {arm.name: _curves([r for r in runs if r.arm == arm.name]) for arm in arms}
-    title = f"{base.task}: accuracy against training time (mean over seeds, 95% band)"
+    title = f"{base.dataset_name or base.task}: accuracy against training time (mean over seeds, 95% band)"
     plot_sweep_curves(
         {k: v for k, v in curves.items() if v},
         output_dir / "accuracy_vs_time.png",
