@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import torch
 
 from pods.checkpoint import checkpoint_dir, list_checkpoints
 from pods.config import TrainConfig
-from pods.errors import ConfigError, RewardFunctionError, RolloutWorkerError
+from pods.errors import ConfigError, RewardFunctionError
 from pods.metrics import TIMING_KEYS, read_jsonl
 from pods.producer import ProducedBatch, ProducerState
 from pods.prompt_filter import SampledGroups
@@ -28,7 +26,7 @@ from pods.rollout_worker import fresh_in_flight, load_in_flight, sampler_version
 
 SCRIPT = Path(__file__).parent / "scripts" / "tiny_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
-from tiny_run import TINY_SETTINGS, RecordingTrainer, count_of_a, slow_count_of_a, tiny_dataset  # noqa: E402
+from tiny_run import TINY_SETTINGS, RecordingTrainer, count_of_a, tiny_dataset  # noqa: E402
 
 ASYNC = {"async_generation": True, "rollout_worker_threads": 1, "torch_threads": 1}
 
@@ -218,27 +216,6 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
 
 
-def test_a_killed_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    trainer = tiny_trainer(tiny_model_dir, tmp_path, max_steps=50, reward=slow_count_of_a)
-    killed = []
-
-    def kill_after_two_steps() -> None:
-        while len(trainer.updates) < 2:
-            time.sleep(0.05)
-        killed.append(trainer.rollouts.worker_pid)
-        os.kill(killed[0], signal.SIGKILL)
-
-    threading.Thread(target=kill_after_two_steps, daemon=True).start()
-    with pytest.raises(
-        RolloutWorkerError, match=r"rollout worker \(pid \d+\) died with exit code -9"
-    ) as error:
-        trainer.train()
-    assert "checkpoint" in str(error.value) and "resume_from: auto" in str(error.value)
-    assert len(list_checkpoints(tmp_path / "checkpoints")) == 1 and not alive(killed[0])
-
-
 def test_a_reward_function_failing_in_the_worker_ends_the_run_with_its_error_and_a_checkpoint(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -263,42 +240,6 @@ def test_reward_functions_that_cannot_reach_the_worker_are_named(
         ConfigError, match=r"reward function '.*<lambda>' cannot be sent to the rollout worker"
     ):
         trainer.train()
-
-
-@pytest.mark.slow
-def test_sigterm_stops_trainer_and_worker(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """SIGTERM to `pods train`-like process: a checkpoint, exit status 143, and the worker process is gone."""
-    settings = {**ASYNC, "max_steps": 200}
-    env = {**os.environ, "TINY_RUN_REWARD": "slow_count_of_a", "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(tiny_model_dir), str(tmp_path), json.dumps(settings)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        deadline = time.time() + 120
-        children: list[int] = []
-        while time.time() < deadline and not children:
-            children = [
-                int(p) for p in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
-            ]
-            time.sleep(0.2)
-        assert children, "no rollout worker started"
-        while time.time() < deadline and not (tmp_path / "metrics.jsonl").is_file():
-            time.sleep(0.2)
-        time.sleep(1.0)
-        process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert "STOPPED 0 SIGTERM" in out, out + err[-3000:]
-    deadline = time.time() + 15  # multiprocessing's resource tracker leaves a moment after its parent
-    while time.time() < deadline and any(alive(pid) for pid in children):
-        time.sleep(0.2)
-    assert not any(alive(pid) for pid in children), "a process the run started outlived it"
 
 
 def test_auto_n_reaches_the_worker_with_the_weights(tiny_model_dir: Path, tmp_path: Path) -> None:

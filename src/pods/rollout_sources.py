@@ -39,7 +39,7 @@ from pods.rollout_worker import (
     vllm_options,
     worker_main,
 )
-from pods.weight_sync import TensorLayout, WeightSender, weights_store
+from pods.weight_sync import TensorLayout, WeightSender, resolve_placement, weights_store
 
 __all__ = [
     "LocalRollouts",
@@ -48,6 +48,7 @@ __all__ = [
     "from_rollout_side",
     "start_worker_rollouts",
     "trainer_vllm_options",
+    "worker_placement",
 ]
 
 POLL_SECONDS = 0.5  # the longest a waiting side goes without checking that the other is alive
@@ -439,3 +440,18 @@ def trainer_vllm_options(config: Any, accelerator: Any, run_folder: Path) -> dic
             accelerator.is_main_process, lambda value: every_process(accelerator, value)
         )
     return options
+
+
+def worker_placement(config: Any, accelerator: Any) -> tuple[str, str]:
+    """With ``async_generation``: the rollout worker's device and how the weights reach it
+    (:func:`pods.weight_sync.resolve_placement`; an impossible choice fails here); ``("", "")`` without."""
+    if not config.async_generation:
+        return "", ""
+    return resolve_placement(
+        config.rollout_worker_device,
+        config.weight_sync_backend,
+        accelerator.device,
+        torch.cuda.device_count(),
+        local_index=accelerator.local_process_index,
+        local_processes=local_processes(accelerator),
+    )

@@ -41,7 +41,6 @@ from pods.distributed import (
     deepspeed_batch_settings,
     deepspeed_guards_non_finite_steps,
     exported_state_dict,
-    local_processes,
     require_every_launched_process,
     start_accelerator,
     synced_any,
@@ -68,6 +67,7 @@ from pods.rollout_sources import (
     from_rollout_side,
     start_worker_rollouts,
     trainer_vllm_options,
+    worker_placement,
 )
 from pods.rollout_worker import (
     async_metrics,
@@ -80,7 +80,6 @@ from pods.run_folder import require_shared_folder
 from pods.run_inputs import accuracy_function, check_reward_columns, dataset_rows, reward_functions
 from pods.scoring import RewardFunction, reward_name
 from pods.update import NonFiniteGuard, policy_update
-from pods.weight_sync import resolve_placement
 
 __all__ = ["NonFiniteError", "PODSTrainer", "TrainResult", "TrainingStopped", "train"]
 
@@ -140,18 +139,7 @@ class PODSTrainer:
         if cfg.async_generation and acc.num_processes > 1:
             require_async_with_several_processes(acc, cfg)
         # async: where the rollout worker runs and how the weights reach it (an impossible choice fails here)
-        self.worker_device, self.weight_sync_backend = (
-            resolve_placement(
-                cfg.rollout_worker_device,
-                cfg.weight_sync_backend,
-                acc.device,
-                torch.cuda.device_count(),
-                local_index=acc.local_process_index,
-                local_processes=local_processes(acc),
-            )
-            if cfg.async_generation
-            else ("", "")
-        )
+        self.worker_device, self.weight_sync_backend = worker_placement(cfg, acc)
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.output_dir / "config.yaml")
