@@ -315,23 +315,29 @@ def test_two_trainer_processes_each_with_a_worker_resume_exactly(
 
 
 @pytest.mark.slow
-def test_a_failing_worker_of_one_trainer_process_ends_both_with_its_error(
+def test_a_killed_worker_of_one_trainer_process_ends_both_with_its_error(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Process 1's worker fails (its reward function raises): both processes stop at the same step with a
-    checkpoint, process 1's error named on both, and neither waits for the other."""
+    """Process 1's worker is SIGKILLed while it generates (fault point worker_generating, on rank 1 only), with
+    the prompt filter on, so that process 0's worker waits for it in their group: both processes stop at the same
+    step with a checkpoint, process 1's worker named on both, and none waits for another; nothing is left."""
     from test_trainer import two_process_launch
 
-    command, env = two_process_launch(tiny_model_dir, tmp_path, {**ASYNC, "max_steps": 4})
-    env["TINY_RUN_REWARD"] = "fails_on_rank_one"
+    settings = {**ASYNC, "max_steps": 4, "prompt_filter": "nonzero_std", "max_num_gen_batches": 2}
+    command, env = two_process_launch(tiny_model_dir, tmp_path, settings)
+    env.update(PODS_FAULT="worker_generating", PODS_FAULT_RANK="1", PODS_TEST_TAG=str(tmp_path))
     started = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode != 0 and time.monotonic() - started < 120
-    assert "process 1: " in result.stderr and "this reward fails on rank 1" in result.stderr, result.stderr[
-        -3000:
-    ]
+    # process 1's worker died; process 0's, waiting for it in their group, failed there (not a hang)
+    killed = "process 1: RolloutWorkerError: the rollout worker (pid "
+    assert "rollout workers failed: " in result.stderr and killed in result.stderr, result.stderr[-3000:]
+    assert "died with exit code -9 (SIGKILL)" in result.stderr and "process 0: " in result.stderr
     assert "resume_from: auto" in result.stderr
     assert list_checkpoints(tmp_path / "checkpoints") == [checkpoint_dir(tmp_path / "checkpoints", 0)]
+    from test_rollout_faults import tagged
+
+    assert not tagged(str(tmp_path))
 
 
 def test_async_with_several_processes_refuses_what_cannot_work() -> None:

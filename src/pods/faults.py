@@ -3,7 +3,8 @@ events rather than by a timer (docs/reliability.md). ``PODS_FAULT=<point>`` arms
 worker inherits it): there the rollout worker or the vLLM server pods started is killed (SIGKILL), by itself or by
 the trainer; ``PODS_FAULT=<point>:<SIGNAL>`` instead sends SIGNAL (SIGTERM, SIGINT, SIGKILL) to the process that
 reaches the point; ``<point>@K`` fires the K-th time a process reaches it (default the first), and only then.
-Before it acts a point writes its name to the file ``PODS_FAULT_MARK`` names, so that a test knows it fired.
+With ``PODS_FAULT_RANK=R`` only trainer process R (and its worker) fires, under ``accelerate launch``. Before it
+acts a point writes its name to the file ``PODS_FAULT_MARK`` names, so that a test knows it fired.
 Unarmed, a point costs one environment lookup.
 """
 
@@ -14,10 +15,11 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["FAULT_ENV", "FAULT_MARK_ENV", "POINTS", "fault_point", "reset"]
+__all__ = ["FAULT_ENV", "FAULT_MARK_ENV", "FAULT_RANK_ENV", "POINTS", "fault_point", "reset"]
 
 FAULT_ENV = "PODS_FAULT"
 FAULT_MARK_ENV = "PODS_FAULT_MARK"
+FAULT_RANK_ENV = "PODS_FAULT_RANK"
 
 POINTS = {
     "worker_start": "the rollout worker, starting, before it has built its model and engine",
@@ -42,7 +44,8 @@ def fault_point(name: str, kill: Callable[[], None] | None = None) -> None:
         return
     point, _, action = armed.partition(":")
     point, _, times = point.partition("@")
-    if point != name:
+    rank = os.environ.get(FAULT_RANK_ENV)
+    if point != name or (rank is not None and os.environ.get("RANK", "0") != rank):
         return
     _reached[name] = _reached.get(name, 0) + 1
     if _reached[name] != int(times or 1):

@@ -63,14 +63,6 @@ def slow_count_of_a(prompts, completions, completion_ids=None, **columns) -> lis
     return count_of_a(prompts, completions)
 
 
-def fails_on_rank_one(prompts, completions, completion_ids=None, **columns) -> list[float]:
-    """:func:`count_of_a` in process 0 (and its rollout worker), an error in process 1's: one process's worker
-    failing under ``accelerate launch``."""
-    if os.environ.get("RANK") == "1":
-        raise RuntimeError("this reward fails on rank 1")
-    return count_of_a(prompts, completions)
-
-
 def always_fails(prompts, completions, completion_ids=None, **columns) -> list[float]:
     """A reward function that raises (picklable: it fails inside the rollout worker)."""
     raise RuntimeError("this reward always fails")
@@ -80,7 +72,6 @@ REWARDS = {
     "count_of_a": count_of_a,
     "half_constant": half_constant,
     "slow_count_of_a": slow_count_of_a,
-    "fails_on_rank_one": fails_on_rank_one,
 }
 
 
