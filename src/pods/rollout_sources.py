@@ -98,9 +98,8 @@ class LocalRollouts:
     def batch(
         self, state: TrainerState, num_generations: int, timer: StepTimer, should_stop: Callable[[], bool]
     ) -> ProducedBatch | None:
-        seed_step(
-            self.seed, state.step, self.process_index
-        )  # a resumed run samples what an uninterrupted one would
+        # reseeded per step and process: a resumed run samples what an uninterrupted one would
+        seed_step(self.seed, state.step, self.process_index)
         producing = ProducerState.of(state, self.prompts_per_step)
         sampled = self.producer.sample(producing, state.step, num_generations, timer, should_stop=should_stop)
         if sampled is None:
