@@ -528,6 +528,8 @@ class BehaviourLogprobs:
                 temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
                 top_k=sampling.top_k,
                 top_p=sampling.top_p,
+                packing=self.config.packing,
+                token_budget=self.config.token_budget,
             ).float()
         return rollouts
 
