@@ -37,25 +37,28 @@ def padded(prompts: list[list[int]], completions: list[list[int]], width: int | 
 
 
 def test_a_group_packs_its_prompt_once_with_positions_continuing_from_it() -> None:
-    """Two rows of prompt [5, 6] and one of [7]: the shared prompt appears once, each completion's positions
-    continue from its prompt, and every completion token is predicted by the position just before it in its
-    own sequence (the prompt's last token for the first one)."""
+    """Two rows of prompt [5, 6] and one of [7]: the shared prompt appears once (its last token in front of
+    each completion, at the same position), each completion's positions continue from its prompt, and every
+    completion token is the label of the position just before it in its own sequence."""
     batch = padded([[5, 6], [5, 6], [7]], [[11, 12, 13], [14], [15, 16]])
     packed = pack(*batch)
-    assert packed.input_ids.tolist() == [[5, 6, 11, 12, 13, 14], [7, 15, 16, 0, 0, 0]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 2], [0, 1, 2, 0, 0, 0]]
-    assert packed.segment_ids.tolist() == [[0, 0, 1, 1, 1, 2], [0, 1, 1, -1, -1, -1]]
-    flat_ids, dest_ids = packed.input_ids.flatten(), batch[2].flatten()
-    assert packed.labels.flatten()[packed.label_index].tolist() == dest_ids[packed.label_dest].tolist()
-    # each completion's first token is predicted by its prompt's last position
-    assert flat_ids[packed.first_index].tolist() == [6, 6, 7]
-    assert packed.first_targets.tolist() == dest_ids[packed.first_dest].tolist() == [11, 14, 15]
+    assert packed.input_ids.tolist() == [[5, 6, 11, 12, 13, 6, 14], [7, 15, 16, 0, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 1, 2], [0, 1, 2, 0, 0, 0, 0]]
+    assert packed.segment_ids.tolist() == [[0, 1, 1, 1, 1, 2, 2], [1, 1, 1, -1, -1, -1, -1]]
+    assert packed.labels.tolist() == [
+        [-100, 11, 12, 13, -100, 14, -100],
+        [15, 16, -100, -100, -100, -100, -100],
+    ]
+    labels, completion_ids = packed.labels.flatten(), batch[2].flatten()
+    assert labels[packed.label_index].tolist() == completion_ids[packed.label_dest].tolist()
+    assert sorted(packed.label_dest.tolist()) == batch[3].flatten().nonzero().flatten().tolist()
     assert packed.first_column == 0 and packed.num_tokens == 6
 
 
 def test_a_long_group_splits_with_its_own_prompt_copy_and_small_groups_share_a_row() -> None:
-    """Budget 6: prompt [1, 2] + completions of 3, 2, 3 tokens splits after the second (2 + 3 + 2 = 7 > 6 ...
-    so after the first); an empty completion is left out; two 3-token units share one 6-token row."""
+    """Budget 6: prompt [1, 2] with completions of 3, 2 and 3 tokens makes units of 5, 4 and 5 tokens (the
+    prompt's last token counts once per completion), each with its prompt; an empty completion is left out;
+    the units of [3] (3 tokens) and [4] (2) share one row as long as the longest unit."""
     batch = padded([[1, 2]] * 4 + [[3], [4]], [[21, 22, 23], [24, 25], [], [26, 27, 28], [29, 30], [31]])
     packed = pack(*batch, token_budget=6)
     rows = [[t for t in row if t] for row in packed.input_ids.tolist()]

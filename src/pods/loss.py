@@ -301,23 +301,13 @@ def _packed_logprobs(
         **extra,
     ).logits[:, -keep:]
     offset = length - keep  # packed column c is logits column c - offset
-    # Every position scores its own next token; the prompt's last position scores each completion's first.
-    labelled = _token_logprobs(logits, packed.labels[:, offset:].to(device), **scoring)
-    first_rows = (packed.first_index // length).to(device)
-    first_cols = (packed.first_index % length - offset).to(device)
-    first = _token_logprobs(
-        logits[first_rows, first_cols].unsqueeze(0), packed.first_targets.to(device).unsqueeze(0), **scoring
-    )[0]
-    label_index = packed.label_index.to(device)
-    labelled = labelled.reshape(-1)[(label_index // length) * keep + label_index % length - offset]
+    targets = packed.labels[:, offset:].clamp_min(0).to(device)  # 0 where nothing is predicted: dropped below
+    logprobs = _token_logprobs(logits, targets, **scoring).reshape(-1)
+    index = packed.label_index.to(device)
+    values = logprobs[(index // length) * keep + index % length - offset]
     batch, width = packed.shape
-    values = torch.cat([labelled, first])
-    dest = torch.cat([packed.label_dest, packed.first_dest]).to(device)
-    return (
-        torch.zeros(batch * width, dtype=values.dtype, device=device)
-        .scatter(0, dest, values)
-        .view(batch, width)
-    )
+    flat = torch.zeros(batch * width, dtype=values.dtype, device=device)
+    return flat.scatter(0, packed.label_dest.to(device), values).view(batch, width)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Rows that share a prompt (the kept completions of a group) become one packed sequence: the prompt once, then
 each completion, every completion attending to the prompt and to its own earlier tokens only, its position
-ids continuing from the prompt. Such units are laid into packed rows without padding between them; a group
+ids continuing from the prompt. (Precisely: each completion carries its own copy of the prompt's last token,
+so that each position predicts one token; see :class:`Packing`.) Such units are laid into packed rows without padding between them; a group
 longer than ``token_budget`` tokens splits into several units, each with its own copy of the prompt.
 
 - :func:`pack`: padded rows -> a :class:`Packing` (pure: token ids and indices, no model);
@@ -33,28 +34,28 @@ MASKED_ATTENTION = ("eager", "sdpa", "flex_attention")
 class Packing:
     """Packed rows and where each completion token of the padded layout is predicted in them.
 
-    A completion token after the first is predicted by the packed position just before it, whose next-token
-    label is that token (``labels``); the first token of every completion is predicted by the prompt's last
-    position, which several completions share, so those are listed apart (``first_*``).
+    A unit is its prompt but the last token, then each completion preceded by its own copy of that last
+    token (at the same position): every position then predicts one token, its ``labels`` entry, so that
+    log-probs are a plain next-token gather (and TRL's fused head, which takes one label per position, works).
+    The copy costs one token per completion; it sees exactly what the prompt's last token sees.
     """
 
     input_ids: Tensor  # [R, T] packed tokens, 0 on padding
     position_ids: Tensor  # [R, T] position within the prompt + completion each token belongs to
     block_ids: Tensor  # [R, T] which unit (prompt copy) of the row a token belongs to, -1 on padding
-    segment_ids: Tensor  # [R, T] 0 for a prompt token, k for the unit's k-th completion (from 1), -1 padding
-    labels: Tensor  # [R, T] the next token a position predicts inside its completion, 0 elsewhere
+    segment_ids: (
+        Tensor  # [R, T] 0 for a shared prompt token, k for the unit's k-th completion (from 1), -1 padding
+    )
+    labels: Tensor  # [R, T] the completion token a position predicts, -100 where none
     label_index: Tensor  # [N] flat packed index (r * T + t) of each labelled position
     label_dest: Tensor  # [N] flat padded index (b * Lc + j) of the completion token it predicts
-    first_index: Tensor  # [C] flat packed index of the prompt's last position, one per completion
-    first_targets: Tensor  # [C] the completion's first token
-    first_dest: Tensor  # [C] flat padded index (b * Lc) of that token
-    first_column: int  # leftmost column whose logits are needed (the earliest prompt end)
+    first_column: int  # leftmost labelled column (logits are needed from there on)
     shape: tuple[int, int]  # (B, Lc): the padded completion layout
 
     @property
     def num_tokens(self) -> int:
-        """Completion tokens scored (labelled positions plus first tokens)."""
-        return self.label_index.numel() + self.first_index.numel()
+        """Completion tokens scored."""
+        return self.label_index.numel()
 
 
 def _is_prefix_mask(mask: Tensor) -> bool:
@@ -68,21 +69,22 @@ def packable(prompt_mask: Tensor, completion_mask: Tensor) -> bool:
 
 
 def _units(prompts: list[list[int]], rows: list[int], lengths: list[int], token_budget: int):
-    """Split each prompt's rows into units of at most ``token_budget`` tokens (prompt included); a unit
-    holds at least one completion, so a single prompt + completion longer than the budget stands alone."""
+    """Split each prompt's rows into units of at most ``token_budget`` tokens (prompt included, and one
+    token per completion); a unit holds at least one completion, so a single prompt + completion longer than
+    the budget stands alone."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for b in rows:
         groups.setdefault(tuple(prompts[b]), []).append(b)
     units = []
     for prompt, members in groups.items():
         unit: list[int] = []
-        size = len(prompt)
+        size = len(prompt) - 1
         for b in members:
-            if unit and size + lengths[b] > token_budget:
+            if unit and size + lengths[b] + 1 > token_budget:
                 units.append((list(prompt), unit))
-                unit, size = [], len(prompt)
+                unit, size = [], len(prompt) - 1
             unit.append(b)
-            size += lengths[b]
+            size += lengths[b] + 1
         units.append((list(prompt), unit))
     return units
 
@@ -129,7 +131,7 @@ def pack(
         raise ValueError("every row needs at least one prompt token: it predicts the first completion token.")
     completions = completion_ids.tolist()
     units = _units(prompts, rows, lengths, token_budget)
-    sizes = [len(prompt) + sum(lengths[b] for b in members) for prompt, members in units]
+    sizes = [len(prompt) - 1 + sum(lengths[b] + 1 for b in members) for prompt, members in units]
     layout = _first_fit(sizes)
     length = max(sum(sizes[i] for i in row) for row in layout)
 
@@ -138,36 +140,32 @@ def pack(
     position_ids = torch.zeros(shape, dtype=torch.long)
     block_ids = torch.full(shape, -1, dtype=torch.long)
     segment_ids = torch.full(shape, -1, dtype=torch.long)
-    labels = torch.zeros(shape, dtype=torch.long)
-    label_index, label_dest, first_index, first_targets, first_dest, starts = [], [], [], [], [], []
+    labels = torch.full(shape, -100, dtype=torch.long)
+    label_index, label_dest, starts = [], [], []
     for r, row in enumerate(layout):
         column = 0
         for block, i in enumerate(row):
             prompt, members = units[i]
-            p = len(prompt)
-            span = slice(column, column + p)
-            input_ids[r, span] = torch.tensor(prompt)
-            position_ids[r, span] = torch.arange(p)
+            shared = len(prompt) - 1  # the last prompt token goes in front of each completion
+            span = slice(column, column + shared)
+            input_ids[r, span] = torch.tensor(prompt[:-1], dtype=torch.long)
+            position_ids[r, span] = torch.arange(shared)
             block_ids[r, span] = block
             segment_ids[r, span] = 0
-            prompt_end = r * length + column + p - 1
-            starts.append(column + p - 1)
-            column += p
+            column += shared
+            starts.append(column)
             for k, b in enumerate(members, start=1):
                 n = lengths[b]
-                tokens = torch.tensor(completions[b][:n])
-                span = slice(column, column + n)
+                tokens = torch.tensor([prompt[-1], *completions[b][:n]])
+                span = slice(column, column + n + 1)
                 input_ids[r, span] = tokens
-                position_ids[r, span] = torch.arange(p, p + n)
+                position_ids[r, span] = torch.arange(shared, shared + n + 1)
                 block_ids[r, span] = block
                 segment_ids[r, span] = k
-                labels[r, column : column + n - 1] = tokens[1:]
-                label_index.append(torch.arange(column, column + n - 1) + r * length)
-                label_dest.append(torch.arange(1, n) + b * width)
-                first_index.append(prompt_end)
-                first_targets.append(completions[b][0])
-                first_dest.append(b * width)
-                column += n
+                labels[r, column : column + n] = tokens[1:]
+                label_index.append(torch.arange(column, column + n) + r * length)
+                label_dest.append(torch.arange(n) + b * width)
+                column += n + 1
     return Packing(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -176,9 +174,6 @@ def pack(
         labels=labels,
         label_index=torch.cat(label_index),
         label_dest=torch.cat(label_dest),
-        first_index=torch.tensor(first_index),
-        first_targets=torch.tensor(first_targets),
-        first_dest=torch.tensor(first_dest),
         first_column=min(starts),
         shape=(batch, width),
     )
