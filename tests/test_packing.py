@@ -279,3 +279,37 @@ def test_the_packed_update_equals_the_unpacked_one_on_a_4bit_qlora_base(tiny_mod
     vocab = model.get_input_embeddings().weight.shape[0]
     batch = tuple(t % vocab if i % 2 == 0 else t for i, t in enumerate(random_batch(seed=3)))
     assert_same_update(model, rollouts_of(batch, 3, 3, False), dict(beta=0.1, num_iterations=2), lora=True)
+
+
+def test_hf_generation_prefills_each_prompt_once_and_samples_the_same_completions(
+    tiny_model_dir: Path,
+) -> None:
+    """Three prompts x 4 samples in chunks of 5 rows (a group split across chunks): the same completions for
+    a fixed seed (sampled, top-k / top-p, greedy) with and without the shared prefill, while the model's
+    embedding sees each prompt once per chunk (+ the last prompt token per row) instead of once per row."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pods.rollout import HFGenerateEngine, SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(args[0].numel()))
+    prompts = ["say a", "a longer prompt than that one", "x"]
+    settings = [
+        SamplingParams(max_new_tokens=6, temperature=1.0),
+        SamplingParams(max_new_tokens=6, temperature=0.8, top_k=20, top_p=0.9),
+        SamplingParams(max_new_tokens=6, temperature=0.0),
+    ]
+    for sampling in settings:
+        tokens, completions = {}, {}
+        for share in (True, False):
+            torch.manual_seed(3)
+            engine = HFGenerateEngine(model, tokenizer, generation_batch_size=5, share_prefix=share)
+            seen.clear()
+            completions[share] = engine.generate(prompts, 4, sampling).completion_ids
+            tokens[share] = seen[0] + seen[1] if share else seen[0]  # the first chunk's prefill
+        assert torch.equal(completions[True], completions[False])
+        width = int(tokenizer(prompts[:2], padding=True, return_tensors="pt")["attention_mask"].shape[1])
+        assert tokens[False] == 5 * width  # rows 0-4: prompts 0 (x4) and 1 (x1), every row its prompt
+        assert tokens[True] == 2 * (width - 1) + 5  # each distinct prompt once, then the last token per row

@@ -402,6 +402,7 @@ def _produce_forever(spec: WorkerSpec, channels: _Channels) -> None:
         generation_batch_size=config.generation_batch_size,
         max_prompt_length=config.max_prompt_length,
         vllm_options=options,
+        share_prefix=config.packing,
     )
     engine = BehaviourLogprobs(engine, model, config)
     channels.ready.set()

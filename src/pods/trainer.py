@@ -250,6 +250,7 @@ class PODSTrainer:
             generation_batch_size=cfg.generation_batch_size,
             max_prompt_length=cfg.max_prompt_length,
             vllm_options=self._vllm_options(),
+            share_prefix=cfg.packing,
         )
         self.rollouts: AsyncRollouts | None = None  # async_generation: the rollout worker, while train() runs
         # stages 0-2 (prompts, generation, rewards), in this process or in a rollout worker

@@ -201,6 +201,9 @@ class VLLMEngine:
             # renormalised over the kept tokens (the trainer's diagnostic compares like with like)
             "logprobs_mode": "processed_logprobs",
             "async_scheduling": False,
+            # a prompt's blocks are computed once and shared by its n samples (vLLM's default for decoder-only
+            # models, stated so that no platform default turns it off)
+            "enable_prefix_caching": True,
         }
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under accelerate / torchrun: one engine per process
             options["distributed_executor_backend"] = "external_launcher"
