@@ -14,7 +14,7 @@ import torch
 from pods.checkpoint import TrainerState
 from pods.config import TrainConfig
 from pods.loss import completion_logprobs
-from pods.packing import attention_mask, pack, packable, packing_blocker
+from pods.packing import attention_mask, flex_block_mask, pack, packable, packing_blocker
 from pods.rollout import Rollouts
 from pods.update import NonFiniteGuard, policy_update
 
@@ -85,6 +85,18 @@ def test_the_mask_shows_each_completion_its_prompt_and_its_own_past_only() -> No
         [0, 0, 0, 0, 0, 0, 0, 1, 1],
     ]
     assert attention_mask(block, segment)[0, 0].long().tolist() == expected
+
+
+def test_the_flex_attention_block_mask_is_the_same_mask() -> None:
+    """FlexAttention's mask function, evaluated densely (no kernel: FlexAttention has no CPU backward)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    packed = pack(*random_batch(), token_budget=12)
+    block, segment = packed.block_ids, packed.segment_ids
+    rows, length = block.shape
+    block_mask = flex_block_mask(block, segment)
+    dense = create_mask(block_mask.mask_mod, rows, 1, length, length, device="cpu")
+    assert torch.equal(dense, attention_mask(block, segment))
 
 
 def test_packable_wants_left_padded_prompts_and_right_padded_completions() -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pods.packing import DEFAULT_TOKEN_BUDGET, attention_mask, model_mask, pack, packable, packing_blocker
+from pods.packing import DEFAULT_TOKEN_BUDGET, attention_path, model_mask, pack, packable, packing_blocker
 
 __all__ = [
     "LOSS_TYPES",
@@ -263,14 +263,20 @@ _REPORTED: set[str] = set()
 
 def _packs(model: torch.nn.Module, prompt_mask: Tensor, completion_mask: Tensor) -> bool:
     """Whether this batch runs packed: the model takes the mask (else say why, once), the padding is
-    the usual one, and there is a completion token to score."""
+    the usual one, and there is a completion token to score. On a GPU, say once which attention runs it."""
     reason = packing_blocker(model)
     if reason is not None:
         if reason not in _REPORTED:
             _REPORTED.add(reason)
             print(f"packing is off: {reason}", file=sys.stderr)
         return False
-    return bool(completion_mask.any()) and packable(prompt_mask.cpu(), completion_mask.cpu())
+    if not (bool(completion_mask.any()) and packable(prompt_mask.cpu(), completion_mask.cpu())):
+        return False
+    path = attention_path(model)
+    if path not in _REPORTED and next(model.parameters()).device.type == "cuda":
+        _REPORTED.add(path)
+        print(f"packing: {path}", file=sys.stderr)
+    return True
 
 
 def _packed_logprobs(
@@ -288,14 +294,13 @@ def _packed_logprobs(
         prompt_ids.cpu(), prompt_mask.cpu(), completion_ids.cpu(), completion_mask.cpu(), token_budget
     )
     length = packed.input_ids.shape[1]
-    allowed = attention_mask(packed.block_ids.to(device), packed.segment_ids.to(device))
     # Logits only from the earliest prompt end on (to the row's end: the last position predicts nothing,
     # but transformers keeps a suffix).
     keep = length - packed.first_column
     extra = {"logits_to_keep": keep} if _accepts_logits_to_keep(model) else {}
     logits = model(
         input_ids=packed.input_ids.to(device),
-        attention_mask=model_mask(model, allowed),
+        attention_mask=model_mask(model, packed.block_ids.to(device), packed.segment_ids.to(device)),
         position_ids=packed.position_ids.to(device),
         use_cache=False,
         **extra,

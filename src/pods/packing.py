@@ -17,6 +17,7 @@ of :class:`Packing` (:func:`pods.loss.completion_logprobs` does it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -220,12 +221,40 @@ def packing_blocker(model: torch.nn.Module) -> str | None:
     return None
 
 
-def model_mask(model: torch.nn.Module, allowed: Tensor) -> Tensor:
-    """The mask in the form ``model``'s attention takes: bool for SDPA, additive float for eager attention."""
-    if attention_implementation(model) == "sdpa":
+def model_mask(model: torch.nn.Module, block_ids: Tensor, segment_ids: Tensor) -> Any:
+    """The packed rows' mask in the form ``model``'s attention takes: a block mask for FlexAttention (it
+    skips the blocks no query sees), bool for SDPA, additive float for eager attention."""
+    implementation = attention_implementation(model)
+    if implementation == "flex_attention":
+        return flex_block_mask(block_ids, segment_ids)
+    allowed = attention_mask(block_ids, segment_ids)
+    if implementation == "sdpa":
         return allowed
     dtype = _base_model(model).get_input_embeddings().weight.dtype
     dtype = dtype if dtype.is_floating_point else torch.float32
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
         ~allowed, torch.finfo(dtype).min
     )
+
+
+def flex_block_mask(block_ids: Tensor, segment_ids: Tensor) -> Any:
+    """:func:`attention_mask` as a FlexAttention ``BlockMask`` (built from the ids, never as a dense T x T)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def allowed(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        same_unit = block_ids[b, q] == block_ids[b, k]
+        visible = (segment_ids[b, k] == 0) | (segment_ids[b, q] == segment_ids[b, k])
+        return (k <= q) & same_unit & visible
+
+    rows, length = block_ids.shape
+    return create_block_mask(allowed, B=rows, H=None, Q_LEN=length, KV_LEN=length, device=block_ids.device)
+
+
+def attention_path(model: torch.nn.Module) -> str:
+    """How packed rows run on ``model``, in words (what the run says once)."""
+    implementation = attention_implementation(model)
+    return {
+        "flex_attention": "FlexAttention with a block mask (only the blocks a query sees are computed)",
+        "sdpa": "SDPA with a boolean 4D mask (on a GPU its memory-efficient kernel; flash kernels take no mask)",
+        "eager": "eager attention with an additive 4D mask",
+    }.get(implementation, f"{implementation} (unpacked)")

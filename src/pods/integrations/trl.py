@@ -52,7 +52,7 @@ from pods.config import (
 from pods.data.stream import refill_order
 from pods.errors import ConfigError, PromptFilterExhausted
 from pods.metrics import reward_metrics
-from pods.packing import DEFAULT_TOKEN_BUDGET, attention_mask, model_mask, pack, packable, packing_blocker
+from pods.packing import DEFAULT_TOKEN_BUDGET, model_mask, pack, packable, packing_blocker
 from pods.prompt_filter import PassShare, exhausted_message, fill_groups, next_round_size, passing_groups
 from pods.prompt_skip import (
     GresoSettings,
@@ -832,10 +832,9 @@ def fused_packed_logps(model: Any, rows: list[torch.Tensor], token_budget: int) 
         return torch.zeros(batch, width, device=rows[2].device)
     packed = pack(*(t.cpu() for t in rows), token_budget=token_budget)
     device = rows[2].device
-    allowed = attention_mask(packed.block_ids.to(device), packed.segment_ids.to(device))
     out = model(
         input_ids=packed.input_ids.to(device),
-        attention_mask=model_mask(model, allowed),
+        attention_mask=model_mask(model, packed.block_ids.to(device), packed.segment_ids.to(device)),
         position_ids=packed.position_ids.to(device),
         shift_labels=packed.labels.to(device),
         fused_lm_head=True,
