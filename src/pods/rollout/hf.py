@@ -246,7 +246,8 @@ def shared_prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
 
     ``generate`` then runs only the last prompt token per row before sampling, as it would after its own
     prefill: the same logits (to float rounding) and the same random draws."""
-    if ids.shape[1] < 2:
+    # a one-token prompt has no prefix; a model asking for its own cache (static, ...) keeps it
+    if ids.shape[1] < 2 or getattr(getattr(model, "generation_config", None), "cache_implementation", None):
         return None
     unique, inverse = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
     if unique.shape[0] == ids.shape[0]:
