@@ -2,12 +2,14 @@
 
 Rows that share a prompt (the kept completions of a group) become one packed sequence: the prompt once, then
 each completion, every completion attending to the prompt and to its own earlier tokens only, its position
-ids continuing from the prompt. (Precisely: each completion carries its own copy of the prompt's last token,
-so that each position predicts one token; see :class:`Packing`.) Such units are laid into packed rows without padding between them; a group
-longer than ``token_budget`` tokens splits into several units, each with its own copy of the prompt.
+ids continuing from the prompt (each completion carries its own copy of the prompt's last token, so that
+each position predicts one token: see :class:`Packing`). Such units are laid into packed rows without
+padding between them; a group longer than ``token_budget`` tokens splits into several units, each with its
+own copy of the prompt.
 
 - :func:`pack`: padded rows -> a :class:`Packing` (pure: token ids and indices, no model);
 - :func:`attention_mask`: its ``[R, 1, T, T]`` boolean mask (True: may attend);
+- :func:`model_mask`: that mask in the form the model's attention takes (bool, additive, FlexAttention's);
 - :func:`packing_blocker`: why a model cannot take that mask (None when it can).
 
 Per-token log-probs go back to the ``[rows, completion_len]`` layout the losses use through the indices
@@ -22,7 +24,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["DEFAULT_TOKEN_BUDGET", "Packing", "attention_mask", "pack", "packing_blocker"]
+__all__ = [
+    "DEFAULT_TOKEN_BUDGET",
+    "Packing",
+    "attention_mask",
+    "attention_path",
+    "flex_block_mask",
+    "model_mask",
+    "pack",
+    "packable",
+    "packing_blocker",
+]
 
 DEFAULT_TOKEN_BUDGET = 2048
 
@@ -44,9 +56,7 @@ class Packing:
     input_ids: Tensor  # [R, T] packed tokens, 0 on padding
     position_ids: Tensor  # [R, T] position within the prompt + completion each token belongs to
     block_ids: Tensor  # [R, T] which unit (prompt copy) of the row a token belongs to, -1 on padding
-    segment_ids: (
-        Tensor  # [R, T] 0 for a shared prompt token, k for the unit's k-th completion (from 1), -1 padding
-    )
+    segment_ids: Tensor  # [R, T] 0 for a shared prompt token, k for the unit's k-th completion, -1 padding
     labels: Tensor  # [R, T] the completion token a position predicts, -100 where none
     label_index: Tensor  # [N] flat packed index (r * T + t) of each labelled position
     label_dest: Tensor  # [N] flat padded index (b * Lc + j) of the completion token it predicts
