@@ -304,7 +304,9 @@ def _packed_logprobs(
         position_ids=packed.position_ids.to(device),
         use_cache=False,
         **extra,
-    ).logits[:, -keep:]
+    ).logits
+    if logits.shape[1] != keep:  # a model without logits_to_keep (a no-op slice would copy in backward)
+        logits = logits[:, -keep:]
     offset = length - keep  # packed column c is logits column c - offset
     targets = packed.labels[:, offset:].clamp_min(0).to(device)  # 0 where nothing is predicted: dropped below
     logprobs = _token_logprobs(logits, targets, **scoring).reshape(-1)
