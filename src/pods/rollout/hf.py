@@ -257,6 +257,8 @@ def shared_prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     width = ids.shape[1]
     prefix_ids, prefix_mask = unique[:, : width - 1], unique[:, width : 2 * width - 1]
     positions = (prefix_mask.long().cumsum(dim=1) - 1).masked_fill(prefix_mask == 0, 1)  # as generate does
+    from pods.loss import _accepts_logits_to_keep
+
     cache = DynamicCache(config=getattr(model, "config", None))
     model(
         input_ids=prefix_ids.to(device),
@@ -264,6 +266,7 @@ def shared_prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
         position_ids=positions.to(device),
         past_key_values=cache,
         use_cache=True,
+        **({"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}),  # only the cache is wanted
     )
     cache.batch_select_indices(inverse.to(device))
     return cache
