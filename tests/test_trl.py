@@ -120,6 +120,7 @@ def test_misconfigured_batch_fails_when_the_config_is_built(tmp_path: Path) -> N
             r"max_num_gen_batches must be an int of at least 1 .* or 0 for no bound",
         ),
         ({"prompt_skip_target": 1.5}, r"prompt_skip_target must be in \[0, 1\)"),
+        ({"packing": True, "token_budget": 0}, r"token_budget must be at least 1"),
         ({"generation_batch_prompts": "auto"}, r"generation_batch_prompts: oversamples .* set prompt_filter"),
         (
             {"prompt_filter": "nonzero_std", "generation_batch_prompts": 1},

@@ -294,8 +294,7 @@ def _packed_logprobs(
         prompt_ids.cpu(), prompt_mask.cpu(), completion_ids.cpu(), completion_mask.cpu(), token_budget
     )
     length = packed.input_ids.shape[1]
-    # Logits only from the earliest prompt end on (to the row's end: the last position predicts nothing,
-    # but transformers keeps a suffix).
+    # Logits only from the first labelled column on (transformers keeps a suffix of the row).
     keep = length - packed.first_column
     extra = {"logits_to_keep": keep} if _accepts_logits_to_keep(model) else {}
     logits = model(
