@@ -165,15 +165,13 @@ def test_packed_logprobs_equal_unpacked_ones(architecture: str, attention: str) 
     torch.testing.assert_close(alone[mask[1:2]], unpacked[1:2][mask[1:2]], rtol=0, atol=1e-5)
 
 
-def test_a_model_without_a_mask_taking_attention_runs_unpacked_and_says_why(
-    capsys: pytest.CaptureFixture,
-) -> None:
+def test_packing_is_refused_with_a_reason_for_flash_attention_and_sliding_windows() -> None:
+    """The one-line reason completion_logprobs prints (once) when it runs such a model unpacked."""
     model = tiny("llama", "sdpa")
-    assert packing_blocker(model) is None
+    assert packing_blocker(model) is None and packing_blocker(tiny("qwen2", "eager")) is None
     model.config._attn_implementation = "flash_attention_2"
     reason = packing_blocker(model)
-    assert reason is not None and "flash_attention_2" in reason
-    model.config._attn_implementation = "sdpa"
+    assert reason is not None and "flash_attention_2" in reason and "sdpa" in reason  # names the fix
     sliding = tiny("qwen2", "sdpa")
     sliding.config.layer_types = ["sliding_attention", "full_attention"]
     assert "sliding" in packing_blocker(sliding)
