@@ -6,6 +6,8 @@
 2. a long-prompt case: GSM8K test prompts in the paper's chat format, a tiny random Qwen2 model with the
    real Qwen2.5 tokenizer (151k vocabulary; ../shared/data/tokenizers/qwen2.5), 8 prompts x n = 8, 128 new
    tokens (the random model rarely stops early), one timed round after the warm-up;
+   each engine also without sharing a prompt among its n samples: HF ``generate`` with n prefills
+   (``share_prefix=False``), vLLM without its prefix cache;
 3. the engines' start-up and first call;
 4. the update (log-probs, loss, backward, AdamW step on 16 prompts x m = 4 kept rows) before any vLLM engine
    exists, and again with the engine resident in the process (vLLM lowers torch to one thread on a CPU;
@@ -190,16 +192,27 @@ def main() -> None:
     vllm.close()
 
     hf_long = HFGenerateEngine(long_model, long_tokenizer, generation_batch_size=256)
+    hf_long_unshared = HFGenerateEngine(
+        long_model, long_tokenizer, generation_batch_size=256, share_prefix=False
+    )
     vllm_long = VLLMEngine(long_model, long_tokenizer, kv_cache_gb=kv_cache_gb)
-    pair = side_by_side(
+    triple = side_by_side(
         {
             "hf": lambda: hf_long.generate(long_prompts, long_n, long),
+            "hf_unshared": lambda: hf_long_unshared.generate(long_prompts, long_n, long),
             "vllm": lambda: vllm_long.generate(long_prompts, long_n, long),
         },
         1,
         "long prompts",
     )
-    results["hf_long"], results["vllm_long"] = pair["hf"], pair["vllm"]
+    results["hf_long"], results["vllm_long"] = triple["hf"], triple["vllm"]
+    results["hf_long_n_prefills"] = triple["hf_unshared"]
+    vllm_long.close()  # one engine per process: the same case again without vLLM's prefix cache
+    uncached = VLLMEngine(long_model, long_tokenizer, kv_cache_gb=kv_cache_gb, enable_prefix_caching=False)
+    results["vllm_long_no_prefix_cache"] = side_by_side(
+        {"vllm": lambda: uncached.generate(long_prompts, long_n, long)}, 1, "long prompts, no prefix cache"
+    )["vllm"]
+    uncached.close()
 
     print(
         f"torch threads: {results['torch_threads']} (with the vLLM engine: {results['torch_threads_with_engine']})"
@@ -215,6 +228,11 @@ def main() -> None:
             f"| {label} | {hf_s:.2f} s ({hf_tokens} tokens) | {vllm_s:.2f} s ({vllm_tokens} tokens) "
             f"| {hf_s / vllm_s:.1f}x |"
         )
+    print(
+        f"each prompt computed once per group, long case: HF generate {results['hf_long'][0]:.2f} s with one "
+        f"prefill per prompt, {results['hf_long_n_prefills'][0]:.2f} s with n; vLLM {results['vllm_long'][0]:.2f} s "
+        f"with its prefix cache, {results['vllm_long_no_prefix_cache'][0]:.2f} s without"
+    )
     print(
         f"start-up: HF first call {results['hf_first_call_seconds']:.2f} s; "
         f"vLLM {results['vllm_startup_seconds']:.2f} s (import, engine, weights) + first call "

@@ -3,6 +3,7 @@
     python benchmarks/update_memory.py                 # 21.4M-parameter random Llama, 256-token completions
     python benchmarks/update_memory.py --length 64     # a quicker look
     python benchmarks/update_memory.py --smoke         # a 0.1M-parameter model, 4 tokens: that it runs
+    python benchmarks/update_memory.py --no-packing    # the update unpacked (packing: false)
 
 One prompt per step and the whole kept batch in one micro-batch (micro_batch_size = m), so nothing hides
 the update's cost behind gradient accumulation: the paper's comparison. Each configuration runs one step
@@ -166,7 +167,7 @@ class PeakMemory:
 
 
 # ---------------------------------------------------------------------- one configuration
-def run_config(model_dir: str, n: int, m: int, length: int, workdir: str) -> dict:
+def run_config(model_dir: str, n: int, m: int, length: int, workdir: str, packing: bool = True) -> dict:
     """One real trainer step at (n, m); the update phase's peak memory and the step's measured shape."""
     from datasets import Dataset
 
@@ -194,6 +195,7 @@ def run_config(model_dir: str, n: int, m: int, length: int, workdir: str) -> dic
         save_final=False,
         progress=False,
         rollout_engine="hf",  # the update phase is measured; keep one engine for every setting
+        packing=packing,
     )
     vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
     prompts = word_prompts(4, vocab_size=vocab)
@@ -238,6 +240,7 @@ def main() -> None:
         action="store_true",
         help="smallest size, a few seconds: checks that it runs, measures nothing",
     )
+    parser.add_argument("--no-packing", action="store_true", help="the update without shared-prefix packing")
     parser.add_argument("--worker", nargs=3, metavar=("MODEL_DIR", "N", "M"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
@@ -246,7 +249,8 @@ def main() -> None:
     if args.worker:
         model_dir, n, m = args.worker[0], int(args.worker[1]), int(args.worker[2])
         with tempfile.TemporaryDirectory() as workdir:
-            print(json.dumps(run_config(model_dir, n, m, args.length, workdir)), flush=True)
+            result = run_config(model_dir, n, m, args.length, workdir, packing=not args.no_packing)
+            print(json.dumps(result), flush=True)
         return
 
     with tempfile.TemporaryDirectory() as root:
@@ -267,7 +271,9 @@ def main() -> None:
         for n, m in CONFIGS:
             if args.smoke:  # one process for all three: whether it runs, not what it measures
                 with tempfile.TemporaryDirectory() as workdir:
-                    results[n, m] = run_config(str(model_dir), n, m, args.length, workdir)
+                    results[n, m] = run_config(
+                        str(model_dir), n, m, args.length, workdir, packing=not args.no_packing
+                    )
                 continue
             command = [sys.executable, __file__, *sys.argv[1:], "--worker", str(model_dir), str(n), str(m)]
             done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -279,7 +285,7 @@ def main() -> None:
     print(
         f"model: random Llama, {params / 1e6:.1f}M parameters ({args.layers} layers, hidden {args.hidden}, "
         f"vocab {args.vocab}); one prompt per step, micro_batch_size = m, {args.length}-token completions; "
-        f"device {device}, {args.threads} thread(s)"
+        f"device {device}, {args.threads} thread(s), packing {'off' if args.no_packing else 'on'}"
     )
     what = "max_memory_allocated" if device.startswith("cuda") else "peak RSS"
     print(

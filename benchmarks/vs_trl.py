@@ -108,6 +108,7 @@ def make_pods(model_dir: str, prompts: list[str], args, workdir: str):
         progress=False,
         seed=0,
         gradient_checkpointing=args.gradient_checkpointing,
+        packing=not args.no_packing,
         rollout_engine="hf",  # both trainers generate with transformers (vLLM: benchmarks/rollout_engines.py)
     )
     trainer = PODSTrainer(
@@ -193,6 +194,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="completions per prompt (GRPO: all kept)")
     parser.add_argument("--length", type=int, default=32, help="completion tokens (every one runs to it)")
+    parser.add_argument("--prompt-tokens", type=int, default=8, help="tokens per prompt (words of one token)")
+    parser.add_argument("--no-packing", action="store_true", help="pods without shared-prefix packing")
     parser.add_argument("--micro", type=int, default=None, help="rows per micro-batch (default: all rows)")
     parser.add_argument("--loss-type", default="grpo", choices=["grpo", "dapo", "bnpo", "dr_grpo"])
     parser.add_argument("--gradient-checkpointing", action="store_true", help="on for both (TRL's default)")
@@ -232,7 +235,7 @@ def main() -> None:
                 num_heads=max(1, args.hidden // 32),
             )
         )
-        prompts = word_prompts(64, vocab_size=args.vocab)
+        prompts = word_prompts(64, words=args.prompt_tokens, vocab_size=args.vocab)
         pods, pods_clock, pods_metrics = make_pods(model_dir, prompts, args, str(Path(root) / "pods"))
         trl, trl_clock = make_trl(model_dir, prompts, args, str(Path(root) / "trl"))
         params = sum(p.numel() for p in pods.model.parameters())

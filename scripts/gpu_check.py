@@ -18,7 +18,11 @@ command, no network.
    4-bit model agree, before and after training, and logs the sampler/trainer log-prob gap of every
    step; without vLLM it trains with HF ``generate`` on the 4-bit model (the CUDA 4-bit kernels and the
    8-bit optimizer still run).
-4. Prints the figures; writes only small files (each well under 16 MiB, at most two folders deep) under
+4. Shared-prefix packing against the unpacked path on the base model (``packing_check``): log-probs and
+   gradients of PODS 16/4's kept rows in float32 and bf16, their forward + backward seconds and peak
+   memory, and HF generation at n = 16 with one prefill per prompt or n, for SDPA with a mask and (a GPU
+   with FlexAttention) a block mask.
+5. Prints the figures; writes only small files (each well under 16 MiB, at most two folders deep) under
    ``--out``: ``gpu_check.json`` (every figure), the comparison (``summary.json``, ``evaluations.csv``, the
    plot, ``<arm>/seed<k>/{config.yaml,metrics.jsonl,eval.jsonl}``) and ``qlora/`` (the QLoRA run's logs).
    Models and checkpoints go to ``--work`` (a temporary folder by default, removed at the end).
@@ -31,6 +35,7 @@ reported with its traceback in ``gpu_check.json`` and the next stage still runs;
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import tempfile
@@ -274,7 +279,7 @@ def main() -> None:
     figures = {"device": name, "versions": versions(), **figures, "seconds": time.perf_counter() - start}
     (args.out / "gpu_check.json").write_text(json.dumps(figures, indent=2))
     check_results_folder(args.out)
-    failed = [stage for stage in ("compare", "qlora") if "failed" in figures[stage]]
+    failed = [stage for stage in ("packing", "compare", "qlora") if "failed" in figures[stage]]
     print(
         f"\nWritten under {args.out}: gpu_check.json, summary.json, ... ({figures['seconds']:.0f} s in all)"
     )
@@ -328,6 +333,7 @@ def run_checks(args: argparse.Namespace, device: str, work: Path) -> dict[str, A
     }
     return {
         "base_model": built,
+        "packing": isolated("packing", lambda: packing_check(base_dir, args, device, rows)),
         "compare": isolated("comparison", lambda: compare_check(base_dir, args, device, rows)),
         "qlora": isolated("QLoRA", lambda: qlora_check(base_dir, args, device, rows)),
     }
@@ -346,6 +352,119 @@ def isolated(stage: str, run: Any) -> dict[str, Any]:
         failure = traceback.format_exc()
         print(f"\n{stage} FAILED:\n{failure}", flush=True)
         return {"failed": failure}
+
+
+def packing_check(model_dir: Path, args: argparse.Namespace, device: str, rows: dict) -> dict[str, Any]:
+    """Step 4: shared-prefix packing (``packing: true``) against the unpacked path on the base model, per
+    attention path (SDPA with a mask; FlexAttention where torch has it, on a GPU: it has no CPU backward):
+    kept-row log-probs and gradients in float32 and under bf16 autocast, forward + backward seconds and peak
+    memory of PODS 16/4's kept rows, and HF generation seconds at n = 16 with one prefill per prompt or not."""
+    from transformers import AutoModelForCausalLM
+
+    from pods.models import load_tokenizer
+    from pods.rollout import HFGenerateEngine, SamplingParams
+
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(str(model_dir))
+    prompts = [row["prompt"] for row in rows["train_dataset"][: 4 if args.tiny else 64]]
+    sampling = SamplingParams(max_new_tokens=8 if args.tiny else 32, temperature=1.0)
+    paths = ["sdpa"]
+    if device == "cuda" and importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
+        paths.append("flex_attention")
+    figures: dict[str, Any] = {}
+    kept = None
+    for path in paths:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=path, dtype=torch.float32)
+        model.to(device)
+        arm: dict[str, Any] = {}
+        if kept is None:  # generation once, with SDPA (FlexAttention would compile for every cache length)
+            generation = {}
+            for share in (False, True, False, True):  # the first of each warms up
+                engine = HFGenerateEngine(model, tokenizer, generation_batch_size=1024, share_prefix=share)
+                torch.manual_seed(0)
+                generation[share] = timed(device, engine.generate, prompts, 16, sampling)
+            batch = generation[True][1]
+            kept = batch.select([g * 16 + i for g in range(batch.num_prompts) for i in range(4)])
+            arm["generate_seconds_n16"] = {"unpacked": generation[False][0], "packed": generation[True][0]}
+        for precision in ("float32", "bf16") if device == "cuda" else ("float32",):
+            arm[precision] = packed_against_unpacked(model, kept, device, precision)
+        figures[path] = arm
+        f32 = arm["float32"]
+        line = (
+            f"\npacking, {path}: log-probs within {f32['logprob_max_abs_diff']:.1e}, gradients within "
+            f"{f32['grad_max_rel_diff']:.1e} (float32)"
+        )
+        if "bf16" in arm:
+            line += (
+                f", {arm['bf16']['logprob_max_abs_diff']:.1e} / {arm['bf16']['grad_max_rel_diff']:.1e} (bf16)"
+            )
+        line += (
+            f"; PODS 16/4 kept rows forward + backward {f32['seconds']['unpacked']:.3f} s unpacked, "
+            f"{f32['seconds']['packed']:.3f} s packed; peak memory {f32['peak_memory_mb']['unpacked']:.0f} / "
+            f"{f32['peak_memory_mb']['packed']:.0f} MB"
+        )
+        if "generate_seconds_n16" in arm:
+            gen = arm["generate_seconds_n16"]
+            line += f"; HF generation at n = 16 {gen['unpacked']:.3f} s, {gen['packed']:.3f} s with one prefill per prompt"
+        print(line, flush=True)
+    return {**figures, "seconds": time.perf_counter() - started}
+
+
+def timed(device: str, run: Any, *args: Any) -> tuple[float, Any]:
+    """(seconds, result) of ``run(*args)``, the GPU synchronised on both sides."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = run(*args)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, result
+
+
+def packed_against_unpacked(model: Any, batch: Any, device: str, precision: str) -> dict[str, Any]:
+    """The kept rows' log-probs and gradients packed against unpacked; seconds (the better of two) and peak
+    memory of a forward + backward each."""
+    mask = batch.completion_mask.to(device).bool()
+    advantages = torch.linspace(-1, 1, len(batch), device=device)[:, None]
+    results = {}
+    for packing in (False, True):
+        runs = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            seconds, logprobs = timed(device, logprobs_backward, model, batch, advantages, packing, precision)
+            peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else 0.0
+            runs.append(seconds)
+        grads = [p.grad.detach().float().clone() for p in model.parameters() if p.grad is not None]
+        results[packing] = (min(runs), peak, logprobs, grads)
+    (u_seconds, u_peak, u_logprobs, u_grads), (p_seconds, p_peak, p_logprobs, p_grads) = results.values()
+    relative = max(
+        float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(p_grads, u_grads, strict=True)
+    )
+    model.zero_grad(set_to_none=True)
+    return {
+        "logprob_max_abs_diff": float((p_logprobs - u_logprobs)[mask].abs().max()),
+        "grad_max_rel_diff": relative,
+        "seconds": {"unpacked": u_seconds, "packed": p_seconds},
+        "peak_memory_mb": {"unpacked": u_peak, "packed": p_peak},
+    }
+
+
+def logprobs_backward(
+    model: Any, batch: Any, advantages: torch.Tensor, packing: bool, precision: str
+) -> torch.Tensor:
+    """The kept rows' log-probs (detached), after a backward of sum(advantage x log-prob) over their tokens."""
+    from pods.loss import completion_logprobs
+
+    device = advantages.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        logprobs = completion_logprobs(
+            model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+            packing=packing,
+        )  # fmt: skip
+    (logprobs * advantages * batch.completion_mask.to(device)).sum().backward()
+    return logprobs.detach()
 
 
 def compare_check(model_dir: Path, args: argparse.Namespace, device: str, rows: dict) -> dict[str, Any]:

@@ -19,6 +19,7 @@ SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py"))
 FIGURES = {  # a line of figures each script prints at --smoke size
     "arith_generation.py": r"^shipped model: 2 prompts x 2 samples x 32 tokens: [\d.]+ s",
     "logprobs_memory.py": r"^backward +[\d.]+ +[\d.]+ +([\d.]+|nan)$",
+    "packing.py": r"^\| embedded-hard PODS 16/4 \| 4 \| \d+ / \d+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \| \d+ / \d+ \|$",
     "prompt_rounds.py": r"^\| 0\.77 \| [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\) \|$",
     "rewards.py": r"^agreement with is_correct labels: \d+/\d+ \([\d.]+%\)",
     "rollout_engines.py": r"^\| embedded, 2 prompts x 2, 4 tokens \| [\d.]+ s \(\d+ tokens\) \| [\d.]+ s",

@@ -35,6 +35,14 @@ def test_gpu_check_tiny_runs_without_datasets_or_trl_and_writes_small_shallow_re
     assert "GRPO 4/4: generate" in result.stdout and "PODS 16/4: generate" in result.stdout
     figures = json.loads((out / "gpu_check.json").read_text())
     assert figures["device"] == "cpu" and figures["base_model"]["parameters"] > 0
+    packing = figures["packing"]["sdpa"]  # FlexAttention only on a GPU (no CPU backward)
+    assert (
+        set(figures["packing"]) == {"sdpa", "seconds"} and "packing, sdpa: log-probs within" in result.stdout
+    )
+    assert (
+        packing["float32"]["logprob_max_abs_diff"] < 1e-5 and packing["float32"]["grad_max_rel_diff"] < 1e-4
+    )
+    assert packing["generate_seconds_n16"]["packed"] > 0
     assert set(figures["compare"]["summary"]["arms"]) == {"grpo", "pods", "grpo-async", "pods-async"}
     assert figures["compare"]["summary"]["arms"]["pods"]["steps"] == [2]
     assert "PODS 16/4 async: generate" in result.stdout

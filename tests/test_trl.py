@@ -33,6 +33,7 @@ from pods.integrations.trl import (
     summed_rewards,
     take_rows,
 )
+from pods.packing import packing_blocker
 from pods.prompt_filter import PassShare, fill_groups, next_round_size
 from pods.selection import register_rule, select
 
@@ -119,6 +120,7 @@ def test_misconfigured_batch_fails_when_the_config_is_built(tmp_path: Path) -> N
             r"max_num_gen_batches must be an int of at least 1 .* or 0 for no bound",
         ),
         ({"prompt_skip_target": 1.5}, r"prompt_skip_target must be in \[0, 1\)"),
+        ({"packing": True, "token_budget": 0}, r"token_budget must be at least 1"),
         ({"generation_batch_prompts": "auto"}, r"generation_batch_prompts: oversamples .* set prompt_filter"),
         (
             {"prompt_filter": "nonzero_std", "generation_batch_prompts": 1},
@@ -607,6 +609,7 @@ def test_old_and_reference_logprobs_are_computed_on_the_kept_rows_only(
         gradient_accumulation_steps=2,
         num_iterations=2,  # generation every 4 micro-steps, accumulation over 2: TRL needs old log-probs
         beta=0.04,
+        bf16=False,  # float32: packed and unpacked forwards agree to float rounding
     )
     peft_config = (
         LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False) if lora else None
@@ -640,6 +643,17 @@ def test_old_and_reference_logprobs_are_computed_on_the_kept_rows_only(
         assert not torch.allclose(
             kept_only["old_per_token_logps"][mask], kept_only["ref_per_token_logps"][mask]
         )
+
+    # packing=True: a packed forward (each prompt once for its kept rows) gives the same log-probs
+    assert packing_blocker(trainer.model) is None
+    trainer._defer_logps = lambda inputs: True
+    trainer.args.packing = True
+    torch.manual_seed(5)
+    packed = trainer._generate_and_score_completions(inputs)
+    assert rows_seen[4:] == []  # not TRL's forward
+    assert torch.equal(packed["completion_ids"], kept_only["completion_ids"])
+    for key in ("old_per_token_logps", "ref_per_token_logps"):
+        torch.testing.assert_close(packed[key][mask], kept_only[key][mask], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("rule", ["max_variance", "max_reward", "random", "test_lowest", "reward_per_token"])

@@ -110,6 +110,8 @@ def test_greedy_equals_hf_on_the_same_float32_weights(embedded) -> None:
     assert_same_rollouts(ours, hf_generate(model, tokenizer, GREEDY))
     assert not ours.truncated.any()  # every greedy answer ends with EOS inside 24 tokens
     assert all("####" in text for text in ours.texts)
+    # a prompt's KV blocks are shared by its n samples (vLLM's prefix cache), in every mode pods starts
+    assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
 
 
 @pytest.mark.parametrize("lora", ["", "lora", "lora+norm"], ids=["full", "lora", "lora+modules_to_save"])

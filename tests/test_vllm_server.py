@@ -201,6 +201,7 @@ def test_a_server_given_by_url_that_restarts_gets_the_weights_again(
         str(folder), "127.0.0.1", port, dtype="float32", max_model_length=256, seed=0, on_gpu=False,
         gpu_memory_utilization=0.9, kv_cache_gb=0.25,
     )  # fmt: skip
+    assert "--enable-prefix-caching" in command
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
 
     def start() -> subprocess.Popen:

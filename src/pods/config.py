@@ -169,6 +169,8 @@ class TrainConfig:
         3  # optimizer steps with a NaN/inf loss or grad norm are skipped; this many in a row stop the run
     )
     micro_batch_size: int = 64  # kept rows per forward/backward pass
+    packing: bool = True  # rows sharing a prompt forward it once (where the attention takes the mask)
+    token_budget: int = 2048  # packing: tokens per packed row; a longer group splits, prompt copied
     mixed_precision: str = "no"  # no, bf16, fp16, or auto (bf16 where the GPU supports it)
 
     # --- run ---
@@ -240,6 +242,9 @@ class TrainConfig:
             f"{self.prompts_per_step} x {m} = {rows}; divisors: {_divisors(rows)}",
         )
         self._validate_prompt_stages()
+        _require(
+            self.token_budget >= 1, "token_budget", f"must be at least 1 (tokens), got {self.token_budget}"
+        )
         _require(
             self.max_staleness >= 1, "max_staleness", f"must be at least 1 (steps), got {self.max_staleness}"
         )

@@ -12,10 +12,13 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from pods.packing import DEFAULT_TOKEN_BUDGET, attention_path, model_mask, pack, packable, packing_blocker
 
 __all__ = [
     "LOSS_TYPES",
@@ -167,6 +170,8 @@ def completion_logprobs(
     chunk_size: int | None = None,
     top_k: int = 0,
     top_p: float = 1.0,
+    packing: bool = True,
+    token_budget: int = DEFAULT_TOKEN_BUDGET,
 ) -> Tensor:
     """Log-probs ``[B, Lc]`` (float32) of ``completion_ids`` under ``model`` given left-padded prompts.
 
@@ -179,7 +184,11 @@ def completion_logprobs(
     device, and the result is on that device. Callers split a batch into micro-batches themselves.
     Gradients flow unless the caller wraps this in ``torch.no_grad()`` (as it should for old/ref
     log-probs). Values at masked completion positions are finite but meaningless (0 past the longest
-    completion of a micro-batch).
+    completion of a micro-batch; 0 everywhere they are masked when packed).
+
+    With ``packing`` (where the model's attention takes a custom mask: :func:`pods.packing.packing_blocker`)
+    rows with the same prompt forward it once, in packed rows of about ``token_budget`` tokens: the same
+    log-probs, each prompt computed once.
     """
     if prompt_ids.ndim != 2 or prompt_mask.shape != prompt_ids.shape:
         raise ValueError(
@@ -202,6 +211,18 @@ def completion_logprobs(
     device = next(model.parameters()).device
     if batch == 0 or num_completion == 0:
         return torch.zeros(batch, num_completion, dtype=torch.float32, device=device)
+    if top_k > 0 or top_p < 1.0:
+        if torch.is_grad_enabled():
+            raise ValueError(
+                "top-k / top-p truncated log-probs have no gradient; compute them under no_grad."
+            )
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}.")
+    scoring = {"temperature": temperature, "chunk_size": chunk_size, "top_k": top_k, "top_p": top_p}
+    if packing and _packs(model, prompt_mask, completion_mask):
+        return _packed_logprobs(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, token_budget, scoring
+        )
     use_logits_to_keep = _accepts_logits_to_keep(model)
 
     # Trim columns that are padding in every row: leading prompt padding and trailing completion padding
@@ -217,26 +238,82 @@ def completion_logprobs(
     ).logits
     # The logit at position t predicts token t + 1: the last width + 1 logits minus the final one.
     logits = logits[:, -(width + 1) : -1]
-    targets = completion_ids[:, :width].to(device)
-    if top_k > 0 or top_p < 1.0:
-        if torch.is_grad_enabled():
-            raise ValueError(
-                "top-k / top-p truncated log-probs have no gradient; compute them under no_grad."
-            )
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}.")
-        step = max(1, (chunk_size or CHUNK_ELEMENTS // max(logits.shape[-1], 1)) // width)
-        logprobs = torch.cat(
-            [
-                _chunk_truncated_logprobs(
-                    logits[r : r + step], targets[r : r + step], temperature, top_k, top_p
-                )
-                for r in range(0, batch, step)
-            ]
-        )
-    else:
-        logprobs = selected_token_logprobs(logits, targets, temperature, chunk_size)
+    logprobs = _token_logprobs(logits, completion_ids[:, :width].to(device), **scoring)
     return torch.nn.functional.pad(logprobs, (0, num_completion - width))
+
+
+def _token_logprobs(
+    logits: Tensor, targets: Tensor, temperature: float, chunk_size: int | None, top_k: int, top_p: float
+) -> Tensor:
+    """``[R, K, V], [R, K] -> [R, K]``: full log-probs (chunked, with gradient), or under top-k / top-p."""
+    if top_k <= 0 and top_p >= 1.0:
+        return selected_token_logprobs(logits, targets, temperature, chunk_size)
+    batch, width = targets.shape
+    step = max(1, (chunk_size or CHUNK_ELEMENTS // max(logits.shape[-1], 1)) // max(width, 1))
+    return torch.cat(
+        [
+            _chunk_truncated_logprobs(logits[r : r + step], targets[r : r + step], temperature, top_k, top_p)
+            for r in range(0, batch, step)
+        ]
+    )
+
+
+_REPORTED: set[str] = set()
+
+
+def _packs(model: torch.nn.Module, prompt_mask: Tensor, completion_mask: Tensor) -> bool:
+    """Whether this batch runs packed: the model takes the mask (else say why, once), the padding is
+    the usual one, and there is a completion token to score. On a GPU, say once which attention runs it."""
+    reason = packing_blocker(model)
+    if reason is not None:
+        if reason not in _REPORTED:
+            _REPORTED.add(reason)
+            print(f"packing is off: {reason}", file=sys.stderr)
+        return False
+    if not (bool(completion_mask.any()) and packable(prompt_mask.cpu(), completion_mask.cpu())):
+        return False
+    path = attention_path(model)
+    if path not in _REPORTED and next(model.parameters()).device.type == "cuda":
+        _REPORTED.add(path)
+        print(f"packing: {path}", file=sys.stderr)
+    return True
+
+
+def _packed_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    token_budget: int,
+    scoring: dict,
+) -> Tensor:
+    """:func:`completion_logprobs` over shared-prefix packed rows (:mod:`pods.packing`): each prompt once."""
+    device = next(model.parameters()).device
+    packed = pack(
+        prompt_ids.cpu(), prompt_mask.cpu(), completion_ids.cpu(), completion_mask.cpu(), token_budget
+    )
+    length = packed.input_ids.shape[1]
+    # Logits only from the first labelled column on (transformers keeps a suffix of the row).
+    keep = length - packed.first_column
+    extra = {"logits_to_keep": keep} if _accepts_logits_to_keep(model) else {}
+    logits = model(
+        input_ids=packed.input_ids.to(device),
+        attention_mask=model_mask(model, packed.block_ids.to(device), packed.segment_ids.to(device)),
+        position_ids=packed.position_ids.to(device),
+        use_cache=False,
+        **extra,
+    ).logits
+    if logits.shape[1] != keep:  # a model without logits_to_keep (a no-op slice would copy in backward)
+        logits = logits[:, -keep:]
+    offset = length - keep  # packed column c is logits column c - offset
+    targets = packed.labels[:, offset:].clamp_min(0).to(device)  # 0 where nothing is predicted: dropped below
+    logprobs = _token_logprobs(logits, targets, **scoring).reshape(-1)
+    index = packed.label_index.to(device)
+    values = logprobs[(index // length) * keep + index % length - offset]
+    batch, width = packed.shape
+    flat = torch.zeros(batch * width, dtype=values.dtype, device=device)
+    return flat.scatter(0, packed.label_dest.to(device), values).view(batch, width)
 
 
 @dataclass

@@ -267,6 +267,7 @@ def _produce_forever(spec: WorkerSpec, weights: dict[str, torch.Tensor] | GroupA
         generation_batch_size=config.generation_batch_size,
         max_prompt_length=config.max_prompt_length,
         vllm_options=options,
+        share_prefix=config.packing,
     )
     engine = BehaviourLogprobs(engine, model, config)
     try:
@@ -389,6 +390,8 @@ class BehaviourLogprobs:
                 temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
                 top_k=sampling.top_k,
                 top_p=sampling.top_p,
+                packing=self.config.packing,
+                token_budget=self.config.token_budget,
             ).float()
         return rollouts
 

@@ -192,10 +192,9 @@ class PODSTrainer:
             generation_batch_size=cfg.generation_batch_size,
             max_prompt_length=cfg.max_prompt_length,
             vllm_options=trainer_vllm_options(cfg, acc, self.output_dir),
+            share_prefix=cfg.packing,
         )
-        self.rollouts: RolloutSource | None = (
-            None  # where stages 0-2 run (here, or a rollout worker) in train()
-        )
+        self.rollouts: RolloutSource | None = None  # stages 0-2: here or in a rollout worker, in train()
         self.producer = Producer(
             cfg, self.engine, self.tokenizer, self.train_rows, score=self._score, accelerator=acc
         )

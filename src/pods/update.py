@@ -124,6 +124,8 @@ def policy_update(
             completion_ids[part],
             mask[part],
             temperature=temperature,
+            packing=cfg.packing,
+            token_budget=cfg.token_budget,
             **truncation,
         )
 

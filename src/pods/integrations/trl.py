@@ -52,6 +52,7 @@ from pods.config import (
 from pods.data.stream import refill_order
 from pods.errors import ConfigError, PromptFilterExhausted
 from pods.metrics import reward_metrics
+from pods.packing import DEFAULT_TOKEN_BUDGET, model_mask, pack, packable, packing_blocker
 from pods.prompt_filter import PassShare, exhausted_message, fill_groups, next_round_size, passing_groups
 from pods.prompt_skip import (
     GresoSettings,
@@ -317,6 +318,17 @@ class PODSConfig(GRPOConfig):
         default=None,
         metadata={"help": "greso: a group whose mean reward is at most this counts as failed (GRESO: 0.11)."},
     )
+    packing: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the kept rows' old and reference log-probs with shared-prefix packing (each prompt "
+            "forwarded once for its kept completions); off by default so that m = n stays TRL's GRPO bit for bit."
+        },
+    )
+    token_budget: int = field(
+        default=DEFAULT_TOKEN_BUDGET,
+        metadata={"help": "With packing: tokens per packed row (a longer group splits, its prompt copied)."},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -355,6 +367,8 @@ class PODSConfig(GRPOConfig):
                 f"max_num_gen_batches must be an int of at least 1 (generation rounds, the first included), or 0 "
                 f"for no bound, got {self.max_num_gen_batches!r}."
             )
+        if self.token_budget < 1:
+            raise ValueError(f"token_budget must be at least 1 (tokens), got {self.token_budget}.")
         if not 0 <= self.prompt_skip_target < 1:
             raise ValueError(f"prompt_skip_target must be in [0, 1), got {self.prompt_skip_target}.")
         wanted = self.per_device_train_batch_size * self.steps_per_generation // n
@@ -779,24 +793,55 @@ class PODSTrainer(GRPOTrainer):
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         width, size = batch["completion_ids"].size(1), self.args.per_device_train_batch_size
+
+        rows = [batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+        packs = self.args.packing and packable(*rows[1::2]) and bool(rows[3].any())
+
+        def logps(model: Any) -> torch.Tensor:
+            if not packs or packing_blocker(model) is not None:
+                return self._get_per_token_logps_and_entropies(model, ids, mask, width, batch_size=size)[0]
+            with self.accelerator.autocast():
+                return torch.cat(
+                    [
+                        fused_packed_logps(
+                            model, [t[start : start + size] for t in rows], self.args.token_budget
+                        )
+                        for start in range(0, ids.shape[0], size)
+                    ]
+                )
+
         with (
             torch.no_grad(),
             disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
         ):
             if need_old:
-                batch["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
-                    self.model, ids, mask, width, batch_size=size
-                )[0]
+                batch["old_per_token_logps"] = logps(self.model)
             if self.beta != 0.0 and self.ref_model is not None:
-                batch["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
-                    self.ref_model, ids, mask, width, batch_size=size
-                )[0]
+                batch["ref_per_token_logps"] = logps(self.ref_model)
             elif self.beta != 0.0:  # LoRA: the base with the adapter disabled (or TRL's "ref" adapter)
                 model = self.accelerator.unwrap_model(self.model)
                 with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
-                    batch["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
-                        self.model, ids, mask, width, batch_size=size
-                    )[0]
+                    batch["ref_per_token_logps"] = logps(self.model)
+
+
+def fused_packed_logps(model: Any, rows: list[torch.Tensor], token_budget: int) -> torch.Tensor:
+    """TRL's per-token log-probs (its fused LM head, one label per position) of padded rows
+    ``[prompt_ids, prompt_mask, completion_ids, completion_mask]``, over shared-prefix packed rows."""
+    batch, width = rows[2].shape
+    if not bool(rows[3].any()):  # a chunk of rows that weigh nothing
+        return torch.zeros(batch, width, device=rows[2].device)
+    packed = pack(*(t.cpu() for t in rows), token_budget=token_budget)
+    device = rows[2].device
+    out = model(
+        input_ids=packed.input_ids.to(device),
+        attention_mask=model_mask(model, packed.block_ids.to(device), packed.segment_ids.to(device)),
+        position_ids=packed.position_ids.to(device),
+        shift_labels=packed.labels.to(device),
+        fused_lm_head=True,
+    )
+    values = out.log_probs.reshape(-1)[packed.label_index.to(device)].float()
+    flat = torch.zeros(batch * width, dtype=values.dtype, device=device)
+    return flat.scatter(0, packed.label_dest.to(device), values).view(batch, width)
 
 
 class _PromptDraws:

@@ -75,11 +75,17 @@ def build_engine(
     generation_batch_size: int = 64,
     max_prompt_length: int | None = None,
     vllm_options: dict[str, Any] | None = None,
+    share_prefix: bool = True,
 ) -> RolloutEngine:
-    """The engine called ``name`` ("hf" or "vllm") sampling from ``model``; ``vllm_options`` go to VLLMEngine."""
+    """The engine called ``name`` ("hf" or "vllm") sampling from ``model``; ``vllm_options`` go to VLLMEngine;
+    ``share_prefix``: HF prefills each prompt once for its n samples (vLLM's prefix cache does it itself)."""
     if name == "hf":
         return HFGenerateEngine(
-            model, tokenizer, generation_batch_size=generation_batch_size, max_prompt_length=max_prompt_length
+            model,
+            tokenizer,
+            generation_batch_size=generation_batch_size,
+            max_prompt_length=max_prompt_length,
+            share_prefix=share_prefix,
         )
     if name == "vllm":
         options = dict(vllm_options or {})

@@ -155,6 +155,7 @@ class VLLMEngine:
         max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         kv_cache_gb: float = 1.0,
         seed: int = 0,
+        enable_prefix_caching: bool = True,
     ) -> None:
         reason = vllm_unavailable_reason(model)
         if reason is not None:
@@ -201,6 +202,9 @@ class VLLMEngine:
             # renormalised over the kept tokens (the trainer's diagnostic compares like with like)
             "logprobs_mode": "processed_logprobs",
             "async_scheduling": False,
+            # a prompt's blocks are computed once and shared by its n samples (vLLM's default for decoder-only
+            # models, stated so that no platform default turns it off; off only to measure its effect)
+            "enable_prefix_caching": enable_prefix_caching,
         }
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under accelerate / torchrun: one engine per process
             options["distributed_executor_backend"] = "external_launcher"

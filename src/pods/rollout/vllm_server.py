@@ -122,6 +122,7 @@ def serve_command(folder: str, host: str, port: int, *, dtype: str, max_model_le
         "--dtype", dtype, "--seed", str(seed), "--load-format", "dummy",
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
         "--worker-extension-cls", "pods.rollout.vllm_server.WeightLoader",
+        "--enable-prefix-caching",  # each prompt's blocks computed once for its n samples
     ]  # fmt: skip
     if max_model_length:
         command += ["--max-model-len", str(max_model_length)]

@@ -1,0 +1,270 @@
+"""Shared-prefix packing: the rows of a group forward their prompt once.
+
+Rows that share a prompt (the kept completions of a group) become one packed sequence: the prompt once, then
+each completion, every completion attending to the prompt and to its own earlier tokens only, its position
+ids continuing from the prompt (each completion carries its own copy of the prompt's last token, so that
+each position predicts one token: see :class:`Packing`). Such units are laid into packed rows without
+padding between them; a group longer than ``token_budget`` tokens splits into several units, each with its
+own copy of the prompt.
+
+- :func:`pack`: padded rows -> a :class:`Packing` (pure: token ids and indices, no model);
+- :func:`attention_mask`: its ``[R, 1, T, T]`` boolean mask (True: may attend);
+- :func:`model_mask`: that mask in the form the model's attention takes (bool, additive, FlexAttention's);
+- :func:`packing_blocker`: why a model cannot take that mask (None when it can).
+
+Per-token log-probs go back to the ``[rows, completion_len]`` layout the losses use through the indices
+of :class:`Packing` (:func:`pods.loss.completion_logprobs` does it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DEFAULT_TOKEN_BUDGET",
+    "Packing",
+    "attention_mask",
+    "attention_path",
+    "flex_block_mask",
+    "model_mask",
+    "pack",
+    "packable",
+    "packing_blocker",
+]
+
+DEFAULT_TOKEN_BUDGET = 2048
+
+# Attention implementations that apply a custom 4D mask exactly (flash-attention kernels take only
+# causal or block-diagonal masks).
+MASKED_ATTENTION = ("eager", "sdpa", "flex_attention")
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Packed rows and where each completion token of the padded layout is predicted in them.
+
+    A unit is its prompt but the last token, then each completion preceded by its own copy of that last
+    token (at the same position): every position then predicts one token, its ``labels`` entry, so that
+    log-probs are a plain next-token gather (and TRL's fused head, which takes one label per position, works).
+    The copy costs one token per completion; it sees exactly what the prompt's last token sees.
+    """
+
+    input_ids: Tensor  # [R, T] packed tokens, 0 on padding
+    position_ids: Tensor  # [R, T] position within the prompt + completion each token belongs to
+    block_ids: Tensor  # [R, T] which unit (prompt copy) of the row a token belongs to, -1 on padding
+    segment_ids: Tensor  # [R, T] 0 for a shared prompt token, k for the unit's k-th completion, -1 padding
+    labels: Tensor  # [R, T] the completion token a position predicts, -100 where none
+    label_index: Tensor  # [N] flat packed index (r * T + t) of each labelled position
+    label_dest: Tensor  # [N] flat padded index (b * Lc + j) of the completion token it predicts
+    first_column: int  # leftmost labelled column (logits are needed from there on)
+    shape: tuple[int, int]  # (B, Lc): the padded completion layout
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens scored."""
+        return self.label_index.numel()
+
+
+def _is_prefix_mask(mask: Tensor) -> bool:
+    """Whether every row of ``mask`` is ones then zeros (a right-padded completion)."""
+    return bool((mask[:, 1:] <= mask[:, :-1]).all()) if mask.shape[1] > 1 else True
+
+
+def packable(prompt_mask: Tensor, completion_mask: Tensor) -> bool:
+    """Whether the padded rows can be packed exactly: left-padded prompts, right-padded completions."""
+    return _is_prefix_mask(prompt_mask.flip(1)) and _is_prefix_mask(completion_mask)
+
+
+def _units(prompts: list[list[int]], rows: list[int], lengths: list[int], token_budget: int):
+    """Split each prompt's rows into units of at most ``token_budget`` tokens (prompt included, and one
+    token per completion); a unit holds at least one completion, so a single prompt + completion longer than
+    the budget stands alone."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for b in rows:
+        groups.setdefault(tuple(prompts[b]), []).append(b)
+    units = []
+    for prompt, members in groups.items():
+        unit: list[int] = []
+        size = len(prompt) - 1
+        for b in members:
+            if unit and size + lengths[b] + 1 > token_budget:
+                units.append((list(prompt), unit))
+                unit, size = [], len(prompt) - 1
+            unit.append(b)
+            size += lengths[b] + 1
+        units.append((list(prompt), unit))
+    return units
+
+
+def _first_fit(sizes: list[int]) -> list[list[int]]:
+    """First-fit decreasing into rows as long as the longest unit: no row is longer than the batch needs,
+    so filling a row's tail with small units adds no padding and no longer attention span."""
+    capacity = max(sizes)
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        for r, room in enumerate(free):
+            if sizes[i] <= room:
+                rows[r].append(i)
+                free[r] -= sizes[i]
+                break
+        else:
+            rows.append([i])
+            free.append(capacity - sizes[i])
+    return rows
+
+
+def pack(
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    token_budget: int = DEFAULT_TOKEN_BUDGET,
+) -> Packing:
+    """Pack left-padded prompts and right-padded completions ``[B, L]`` (CPU tensors) into shared-prefix rows.
+
+    Rows with the same prompt tokens share one copy of it; rows without completion tokens are left out.
+    Needs at least one completion token and :func:`packable` masks.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}.")
+    batch, width = completion_ids.shape
+    lengths = completion_mask.sum(dim=1).tolist()
+    rows = [b for b in range(batch) if lengths[b] > 0]
+    if not rows:
+        raise ValueError("nothing to pack: no row has a completion token.")
+    prompts = [prompt_ids[b][prompt_mask[b].bool()].tolist() for b in range(batch)]
+    if any(not prompts[b] for b in rows):
+        raise ValueError("every row needs at least one prompt token: it predicts the first completion token.")
+    completions = completion_ids.tolist()
+    units = _units(prompts, rows, lengths, token_budget)
+    sizes = [len(prompt) - 1 + sum(lengths[b] + 1 for b in members) for prompt, members in units]
+    layout = _first_fit(sizes)
+    length = max(sum(sizes[i] for i in row) for row in layout)
+
+    shape = (len(layout), length)
+    input_ids = torch.zeros(shape, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    block_ids = torch.full(shape, -1, dtype=torch.long)
+    segment_ids = torch.full(shape, -1, dtype=torch.long)
+    labels = torch.full(shape, -100, dtype=torch.long)
+    label_index, label_dest, starts = [], [], []
+    for r, row in enumerate(layout):
+        column = 0
+        for block, i in enumerate(row):
+            prompt, members = units[i]
+            shared = len(prompt) - 1  # the last prompt token goes in front of each completion
+            span = slice(column, column + shared)
+            input_ids[r, span] = torch.tensor(prompt[:-1], dtype=torch.long)
+            position_ids[r, span] = torch.arange(shared)
+            block_ids[r, span] = block
+            segment_ids[r, span] = 0
+            column += shared
+            starts.append(column)
+            for k, b in enumerate(members, start=1):
+                n = lengths[b]
+                tokens = torch.tensor([prompt[-1], *completions[b][:n]])
+                span = slice(column, column + n + 1)
+                input_ids[r, span] = tokens
+                position_ids[r, span] = torch.arange(shared, shared + n + 1)
+                block_ids[r, span] = block
+                segment_ids[r, span] = k
+                labels[r, column : column + n] = tokens[1:]
+                label_index.append(torch.arange(column, column + n) + r * length)
+                label_dest.append(torch.arange(n) + b * width)
+                column += n + 1
+    return Packing(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        block_ids=block_ids,
+        segment_ids=segment_ids,
+        labels=labels,
+        label_index=torch.cat(label_index),
+        label_dest=torch.cat(label_dest),
+        first_column=min(starts),
+        shape=(batch, width),
+    )
+
+
+def attention_mask(block_ids: Tensor, segment_ids: Tensor) -> Tensor:
+    """``[R, 1, T, T]`` bool, True where query t may attend to key s: s <= t in the same unit, and s is a
+    prompt token or in t's own completion. A padding position attends to the padding before it (never an
+    empty row, which would give NaN)."""
+    length = block_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=block_ids.device).tril()
+    same_unit = block_ids[:, :, None] == block_ids[:, None, :]
+    visible = (segment_ids[:, None, :] == 0) | (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return (causal & same_unit & visible).unsqueeze(1)
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under DDP/FSDP/DeepSpeed (``.module``) and peft wrappers."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def attention_implementation(model: torch.nn.Module) -> str | None:
+    """The attention implementation transformers runs ``model`` with (None for a model without a config)."""
+    config = getattr(_base_model(model), "config", None)
+    return getattr(config, "_attn_implementation", None) if config is not None else None
+
+
+def packing_blocker(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run packed rows exactly (a one-line reason), or None when it can."""
+    implementation = attention_implementation(model)
+    if implementation is None:
+        return f"{type(_base_model(model)).__name__} is not a transformers model with an attention implementation"
+    if implementation not in MASKED_ATTENTION:
+        return (
+            f"attention implementation {implementation!r} takes no custom attention mask; "
+            f"load the model with one of {', '.join(MASKED_ATTENTION)}"
+        )
+    config = _base_model(model).config
+    layers = getattr(config, "layer_types", None) or ()
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in layers:
+        return "the model uses sliding-window attention, which a packed row's mask does not reproduce"
+    return None
+
+
+def model_mask(model: torch.nn.Module, block_ids: Tensor, segment_ids: Tensor) -> Any:
+    """The packed rows' mask in the form ``model``'s attention takes: a block mask for FlexAttention (it
+    skips the blocks no query sees), bool for SDPA, additive float for eager attention."""
+    implementation = attention_implementation(model)
+    if implementation == "flex_attention":
+        return flex_block_mask(block_ids, segment_ids)
+    allowed = attention_mask(block_ids, segment_ids)
+    if implementation == "sdpa":
+        return allowed
+    dtype = _base_model(model).get_input_embeddings().weight.dtype
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
+
+
+def flex_block_mask(block_ids: Tensor, segment_ids: Tensor) -> Any:
+    """:func:`attention_mask` as a FlexAttention ``BlockMask`` (built from the ids, never as a dense T x T)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def allowed(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        same_unit = block_ids[b, q] == block_ids[b, k]
+        visible = (segment_ids[b, k] == 0) | (segment_ids[b, q] == segment_ids[b, k])
+        return (k <= q) & same_unit & visible
+
+    rows, length = block_ids.shape
+    return create_block_mask(allowed, B=rows, H=None, Q_LEN=length, KV_LEN=length, device=block_ids.device)
+
+
+def attention_path(model: torch.nn.Module) -> str:
+    """How packed rows run on ``model``, in words (what the run says once)."""
+    implementation = attention_implementation(model)
+    return {
+        "flex_attention": "FlexAttention with a block mask (only the blocks a query sees are computed)",
+        "sdpa": "SDPA with a boolean 4D mask (on a GPU its memory-efficient kernel; flash kernels take no mask)",
+        "eager": "eager attention with an additive 4D mask",
+    }.get(implementation, f"{implementation} (unpacked)")
