@@ -46,8 +46,8 @@ POINTS = {  # point -> the settings that reach it
     "trainer_final_evaluation": {"eval_at_start": "true", "eval_limit": 2},
 }
 
-# resumed from (the others' checkpoints are the same kind): written before any batch, during the kill, after the end
-RESUMED = ("worker_start", "trainer_checkpointing", "trainer_final_evaluation")
+# resumed from (the others' checkpoints are of the same kind): one written during the kill, one after the end
+RESUMED = ("trainer_checkpointing", "trainer_final_evaluation")
 
 
 def arguments(model_dir: Path, output: Path, **options) -> list[str]:
@@ -55,15 +55,25 @@ def arguments(model_dir: Path, output: Path, **options) -> list[str]:
     return ["train", *(f"--{key}={value}" for key, value in settings.items())]
 
 
-def processes_started_here() -> list[psutil.Process]:
-    """This process's descendants, but for multiprocessing's resource tracker (it lives as long as this process)."""
-    return [
-        child
-        for child in psutil.Process().children(recursive=True)
-        if child.is_running()
-        and child.status() != psutil.STATUS_ZOMBIE
-        and "resource_tracker" not in " ".join(child.cmdline())
-    ]
+def processes_started_here(before: set[int] = frozenset()) -> list[psutil.Process]:
+    """This process's live descendants not in ``before`` (those earlier tests left, e.g. a reward-timeout worker),
+    but for multiprocessing's resource tracker (it lives as long as this process)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if (
+                child.pid not in before
+                and child.status() != psutil.STATUS_ZOMBIE
+                and "resource_tracker" not in " ".join(child.cmdline())
+            ):
+                found.append(child)
+        except psutil.Error:
+            continue
+    return found
+
+
+def children() -> set[int]:
+    return {child.pid for child in psutil.Process().children(recursive=True)}
 
 
 def last_step(output: Path) -> int:
@@ -80,6 +90,7 @@ def test_a_worker_killed_at_each_fault_point_ends_the_run_cleanly_and_it_resumes
     monkeypatch.setenv(faults.FAULT_ENV, point)
     monkeypatch.setenv(faults.FAULT_MARK_ENV, str(mark))
     faults.reset()
+    before = children()
     code = main(arguments(tiny_model_dir, output, **POINTS[point]))
     ended = time.time()
     err = capsys.readouterr().err.strip()
@@ -93,7 +104,7 @@ def test_a_worker_killed_at_each_fault_point_ends_the_run_cleanly_and_it_resumes
     checkpoints = list_checkpoints(output / "checkpoints")
     assert checkpoints and checkpoint_step(checkpoints[-1]) == done, (done, checkpoints)
     assert checkpoint_problem(checkpoints[-1]) is None
-    assert not processes_started_here()
+    assert not processes_started_here(before)
     if point not in RESUMED:
         return
     monkeypatch.delenv(faults.FAULT_ENV)
@@ -123,13 +134,14 @@ def test_a_signal_while_the_trainer_waits_on_publishes_to_or_saves_for_the_worke
     output = tmp_path / "run"
     monkeypatch.setenv(faults.FAULT_ENV, f"{point}:{signal_name}")
     faults.reset()
+    before = children()
     code = main(arguments(tiny_model_dir, output, max_steps=20, save_every_steps=1))
     err = capsys.readouterr().err
     assert code == 128 + signal.Signals[signal_name], err
     done = last_step(output)
     assert done < 20 and checkpoint_step(list_checkpoints(output / "checkpoints")[-1]) == done
     assert "resume_from auto" in err and "Traceback" not in err
-    assert not processes_started_here()
+    assert not processes_started_here(before)
 
 
 def tagged(tag: str) -> list[psutil.Process]:

@@ -315,7 +315,7 @@ def test_a_server_killed_mid_request_ends_pods_train_with_its_cause_and_a_checkp
     """`pods train` in server mode (sync, and async where the rollout worker starts the server): the server pods
     started is SIGKILLed while it answers the second step's request; one line naming it and its log (kept in the
     run folder), exit 2, a checkpoint of step 1, no process left."""
-    from test_rollout_faults import arguments, last_step, processes_started_here
+    from test_rollout_faults import arguments, children, last_step, processes_started_here
 
     from pods import faults
     from pods.checkpoint import checkpoint_step, list_checkpoints
@@ -325,6 +325,7 @@ def test_a_server_killed_mid_request_ends_pods_train_with_its_cause_and_a_checkp
     monkeypatch.setenv(faults.FAULT_ENV, "server_generating@2")
     faults.reset()
     settings = {"rollout_engine": "vllm", "vllm_mode": "server", "vllm_cpu_kv_cache_gb": 0.25}
+    before = children()
     code = main(
         arguments(tiny_vllm_model_dir, output, async_generation=str(asynchronous).lower(), **settings)
     )
@@ -335,4 +336,4 @@ def test_a_server_killed_mid_request_ends_pods_train_with_its_cause_and_a_checkp
     assert f"(the whole log: {output / 'vllm_server.log'})" in line and "resume_from: auto" in line
     assert (output / "vllm_server.log").stat().st_size > 0
     assert last_step(output) == 1 and checkpoint_step(list_checkpoints(output / "checkpoints")[-1]) == 1
-    assert not processes_started_here()
+    assert not processes_started_here(before)

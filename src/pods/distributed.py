@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -198,26 +197,3 @@ def step_was_applied(model: Any) -> bool:
     one with NaN/inf gradients); True for any other model, whose step pods takes itself."""
     applied = getattr(model, "was_step_applied", None)
     return True if applied is None else bool(applied())
-
-
-def start_accelerator(config: Any, micro_batches: int) -> tuple[Any, Path]:
-    """The run's ``Accelerator`` (mixed precision, trackers logging into the run folder, ``micro_batches``
-    accumulated per optimizer step) and the run folder, which every process agrees on: the process group starts
-    first, as Accelerator would, and the main process's choice is broadcast."""
-    from accelerate import Accelerator, PartialState
-    from accelerate.utils import broadcast_object_list, parse_flag_from_env
-
-    from pods.run_folder import pick_output_dir
-
-    precision = config.mixed_precision
-    if precision == "auto":
-        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-    output_dir = Path(broadcast_object_list([pick_output_dir(config)])[0])
-    accelerator = Accelerator(
-        mixed_precision=precision,
-        log_with=config.report_to or None,  # TensorBoard / W&B / trackio, logging into the run folder
-        project_dir=str(output_dir),
-        gradient_accumulation_steps=micro_batches,
-    )
-    return accelerator, output_dir

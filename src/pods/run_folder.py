@@ -10,6 +10,9 @@ from __future__ import annotations
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from pods.distributed import synced_any
 from pods.errors import ConfigError
@@ -60,3 +63,24 @@ def pick_output_dir(config) -> str:
         path = Path(config.resume_from)
         return str(path.parent.parent if (path / STATE_FILE).is_file() else path)
     return str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def start_accelerator(config: Any, micro_batches: int) -> tuple[Any, Path]:
+    """The run's ``Accelerator`` (mixed precision, trackers logging into the run folder, ``micro_batches``
+    accumulated per optimizer step) and the run folder, which every process agrees on: the process group starts
+    first, as Accelerator would, and the main process's choice is broadcast."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import broadcast_object_list, parse_flag_from_env
+
+    precision = config.mixed_precision
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    output_dir = Path(broadcast_object_list([pick_output_dir(config)])[0])
+    accelerator = Accelerator(
+        mixed_precision=precision,
+        log_with=config.report_to or None,  # TensorBoard / W&B / trackio, logging into the run folder
+        project_dir=str(output_dir),
+        gradient_accumulation_steps=micro_batches,
+    )
+    return accelerator, output_dir

@@ -42,7 +42,6 @@ from pods.distributed import (
     deepspeed_guards_non_finite_steps,
     exported_state_dict,
     require_every_launched_process,
-    start_accelerator,
     synced_any,
     synced_max,
 )
@@ -76,7 +75,7 @@ from pods.rollout_worker import (
     require_async_with_several_processes,
     save_in_flight,
 )
-from pods.run_folder import require_shared_folder
+from pods.run_folder import require_shared_folder, start_accelerator
 from pods.run_inputs import accuracy_function, check_reward_columns, dataset_rows, reward_functions
 from pods.scoring import RewardFunction, reward_name
 from pods.update import NonFiniteGuard, policy_update
