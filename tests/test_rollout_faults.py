@@ -188,15 +188,24 @@ def test_pods_train_says_one_line_when_its_worker_dies_and_leaves_nothing_behind
 
 
 @pytest.mark.slow
-def test_a_killed_trainer_takes_its_worker_with_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_killed_trainer_takes_its_worker_and_its_vllm_server_with_it(tmp_path: Path) -> None:
+    """The trainer SIGKILLed while it waits for a batch, in async server mode: its rollout worker, the vLLM server
+    the worker started and the server's own processes all go (the end of the pipes, PR_SET_PDEATHSIG)."""
+    from pods.testing import build_tiny_model
+
+    model = build_tiny_model(
+        tmp_path / "model", hidden_size=64, num_heads=2
+    )  # head size 32: vLLM's CPU kernels
     tag = f"trainer-{os.getpid()}-{time.time()}"
+    server = {"rollout_engine": "vllm", "vllm_mode": "server", "vllm_cpu_kv_cache_gb": 0.05}
     result = run_pods(
-        arguments(tiny_model_dir, tmp_path / "run", max_steps=20),
+        arguments(model, tmp_path / "run", max_steps=20, **server),
         tag,
         PODS_FAULT="trainer_waiting_for_rollouts@2:SIGKILL",
     )
-    assert result.returncode == -signal.SIGKILL
-    deadline = time.time() + 10
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    assert (tmp_path / "run" / "vllm_server.log").stat().st_size > 0  # the server had started
+    deadline = time.time() + 20
     while tagged(tag) and time.time() < deadline:
         time.sleep(0.1)
     assert not tagged(tag), [p.cmdline() for p in tagged(tag)]

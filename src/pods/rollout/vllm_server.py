@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from pods.child_process import die_with_parent
+from pods.child_process import guarded
 from pods.config import SERVER_WEIGHT_SYNCS
 from pods.distributed import failure_of, raise_any_failure
 from pods.errors import ConfigError, VLLMServerError
@@ -201,12 +201,11 @@ class VLLMServerEngine:
             self.log_file = log_file or os.path.join(self._folder, "server.log")
             self._log = open(self.log_file, "w")  # noqa: SIM115 - the server's lifetime
             self.process = subprocess.Popen(
-                command,
+                guarded(command),  # the guard stops the server's whole group if this process dies
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
                 env=environment,
                 start_new_session=True,  # its own process group: close() stops all of it
-                preexec_fn=die_with_parent,  # and the kernel stops it if its parent dies (no orphan server)
             )
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _stop, self.process, self._folder)
@@ -455,7 +454,7 @@ def server_log_cause(path: str) -> str:
 
 
 def _stop(process: subprocess.Popen | None, folder: str) -> None:
-    """Stop a server's whole process group (SIGTERM, then SIGKILL after 20 s) and remove its folder."""
+    """Stop a server's whole process group (SIGTERM; its guard kills what is left after 2 s) and remove its folder."""
     if process is not None and process.poll() is None:
         try:
             os.killpg(process.pid, signal.SIGTERM)
