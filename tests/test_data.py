@@ -93,6 +93,13 @@ def test_limit_shuffle_and_prompt_length_filter(shared_data: Path, gsm8k_test) -
     kept = load_task("gsm8k", source=source, tokenizer=tokenizer, max_prompt_tokens=cap, limit=40)
     expected = [q for q, n in zip(gsm8k_test["question"][:200], lengths, strict=True) if n <= cap][:40]
     assert kept["question"] == expected and len(expected) == 40
+    # a limit whose rows lie past the first chunk of 1024 the loader tokenizes: the same first rows that fit
+    every = [len(tokenizer(render_prompt(p, tokenizer))["input_ids"]) for p in gsm8k_test["prompt"]]
+    tight = sorted(every)[len(every) // 10]
+    fitting = [q for q, n in zip(gsm8k_test["question"], every, strict=True) if n <= tight]
+    assert sum(n <= tight for n in every[:1024]) < 120 <= len(fitting)
+    kept = load_task("gsm8k", source=source, tokenizer=tokenizer, max_prompt_tokens=tight, limit=120)
+    assert kept["question"] == fitting[:120]
     with pytest.raises(ValueError, match="needs a tokenizer"):
         load_task("gsm8k", source=source, max_prompt_tokens=100)
 

@@ -129,6 +129,7 @@ def pods_train(model_dir: Path, output: Path, **options) -> list[str]:
         "eval_at_seconds": "[]",
         "save_every_seconds": "null", "progress": "false", "prompts_per_step": 2, "num_generations": 4,
         "num_generations_kept": 2, "micro_batch_size": 4, "max_completion_length": 8, "output_dir": output,
+        "train_limit": 64,  # not the whole arith train set tokenized at every start
         **options,
     }  # fmt: skip
     return [sys.executable, "-m", "pods", "train", *(f"--{k}={v}" for k, v in settings.items())]

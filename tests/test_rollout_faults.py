@@ -27,6 +27,7 @@ TINY = {
     "save_every_seconds": "null", "progress": "false", "prompts_per_step": 2, "num_generations": 4,
     "num_generations_kept": 2, "micro_batch_size": 4, "max_completion_length": 8, "rollout_engine": "hf",
     "async_generation": "true", "rollout_worker_threads": 1, "torch_threads": 1, "max_steps": 3,
+    "train_limit": 64,  # tokenizing the whole arith train set took 3-4 s of each run
 }  # fmt: skip
 # a batch far larger than a pipe's 64 KiB: the worker's send blocks until the trainer reads
 LARGE_BATCH = {
@@ -188,27 +189,54 @@ def test_pods_train_says_one_line_when_its_worker_dies_and_leaves_nothing_behind
 
 
 @pytest.mark.slow
-def test_a_killed_trainer_takes_its_worker_and_its_vllm_server_with_it(tmp_path: Path) -> None:
-    """The trainer SIGKILLed while it waits for a batch, in async server mode: its rollout worker, the vLLM server
-    the worker started and the server's own processes all go (the end of the pipes, PR_SET_PDEATHSIG)."""
-    from pods.testing import build_tiny_model
-
-    model = build_tiny_model(
-        tmp_path / "model", hidden_size=64, num_heads=2
-    )  # head size 32: vLLM's CPU kernels
+def test_a_killed_trainer_takes_its_worker_with_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     tag = f"trainer-{os.getpid()}-{time.time()}"
-    server = {"rollout_engine": "vllm", "vllm_mode": "server", "vllm_cpu_kv_cache_gb": 0.05}
     result = run_pods(
-        arguments(model, tmp_path / "run", max_steps=20, **server),
+        arguments(tiny_model_dir, tmp_path / "run", max_steps=20),
         tag,
         PODS_FAULT="trainer_waiting_for_rollouts@2:SIGKILL",
     )
-    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
-    assert (tmp_path / "run" / "vllm_server.log").stat().st_size > 0  # the server had started
-    deadline = time.time() + 20
+    assert result.returncode == -signal.SIGKILL
+    deadline = time.time() + 10
     while tagged(tag) and time.time() < deadline:
         time.sleep(0.1)
     assert not tagged(tag), [p.cmdline() for p in tagged(tag)]
+
+
+SLEEPER = "import time; time.sleep(120)"
+WITH_A_CHILD = (
+    f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {SLEEPER!r}]); time.sleep(120)"
+)
+PARENT = (
+    "import subprocess, sys; from pods.child_process import guarded; "
+    f"subprocess.Popen(guarded([sys.executable, '-c', {WITH_A_CHILD!r}]), start_new_session=True); "
+    f"exec({SLEEPER!r})"
+)
+
+
+def test_a_vllm_servers_guard_stops_its_whole_group_when_the_process_that_started_it_dies(
+    tmp_path: Path,
+) -> None:
+    """What a vLLM server pods starts runs under (its engine core and workers are the server's own children, which
+    PR_SET_PDEATHSIG alone leaves behind): a parent starts the guard over a command with a child of its own; the
+    parent SIGKILLed, the guard, the command and the command's child are all gone."""
+    tag = f"guard-{os.getpid()}-{time.time()}"
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "PODS_TEST_TAG": tag}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], env=environment)
+    try:
+        deadline = time.time() + 60
+        while len(tagged(tag)) < 4 and time.time() < deadline:  # parent, guard, command, its child
+            time.sleep(0.1)
+        assert len(tagged(tag)) == 4
+        parent.kill()
+        parent.wait()
+        deadline = time.time() + 10
+        while tagged(tag) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not tagged(tag), [p.cmdline() for p in tagged(tag)]
+    finally:
+        for process in tagged(tag):
+            process.kill()
 
 
 # ---------------------------------------------------------------------------------------------------- pipes

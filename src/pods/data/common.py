@@ -193,18 +193,29 @@ def finish_rows(
         rows = [row for row in rows if keep(row)]
     if max_prompt_tokens is None and limit is not None:
         rows = rows[:limit]
-    for row in rows:
-        row["prompt"] = make_prompt(
-            row["question"], prompt_style, system_prompt=system_prompt, template=template
-        )
-    if tokenizer is not None and rows:
-        if max_prompt_tokens is None:
+
+    def with_prompts(chunk: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for row in chunk:
+            row["prompt"] = make_prompt(
+                row["question"], prompt_style, system_prompt=system_prompt, template=template
+            )
+        return chunk
+
+    if tokenizer is None or max_prompt_tokens is None:
+        rows = with_prompts(rows)
+        if tokenizer is not None and rows:
             render_prompt(rows[0]["prompt"], tokenizer)  # fail early on a tokenizer without chat template
-        else:
-            texts = [render_prompt(row["prompt"], tokenizer) for row in rows]
+    else:  # in chunks, so that a limit stops tokenizing once it has its rows
+        kept: list[dict[str, Any]] = []
+        chunk_size = max(2 * (limit or 0), 1024)
+        for start in range(0, len(rows), chunk_size):
+            chunk = with_prompts(rows[start : start + chunk_size])
+            texts = [render_prompt(row["prompt"], tokenizer) for row in chunk]
             lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-            rows = [row for row, n in zip(rows, lengths, strict=True) if n <= max_prompt_tokens]
-            rows = rows if limit is None else rows[:limit]
+            kept += [row for row, n in zip(chunk, lengths, strict=True) if n <= max_prompt_tokens]
+            if limit is not None and len(kept) >= limit:
+                break
+        rows = kept if limit is None else kept[:limit]
     if not rows:
         return datasets.Dataset.from_dict({"question": [], "answer": [], "solution": [], "prompt": []})
     return datasets.Dataset.from_list(rows)
