@@ -29,6 +29,7 @@ from pods.metrics import StepTimer
 from pods.pipes import NOTHING, PeerGone, link_pair
 from pods.producer import ProducedBatch, Producer, ProducerState, seed_step
 from pods.rollout_worker import (
+    POLL_SECONDS,
     GroupAddress,
     WorkerSpec,
     check_picklable,
@@ -51,7 +52,6 @@ __all__ = [
     "worker_placement",
 ]
 
-POLL_SECONDS = 0.5  # the longest a waiting side goes without checking that the other is alive
 CLOSE_SECONDS = 10.0  # how long a worker asked to stop may take before it is killed
 WORKER_TRACEBACK_FILE = (
     "rollout_worker_traceback.txt"  # in the run folder, when the worker fails unexpectedly

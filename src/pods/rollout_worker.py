@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 IN_FLIGHT_FILE = "rollouts_in_flight.pt"  # in a checkpoint: the batches its weights could not sample again
-POLL_SECONDS = 0.5  # the longest the worker waits without checking that the trainer is still there
+POLL_SECONDS = 0.5  # the longest either side (trainer, worker) waits without checking that the other is alive
 SERVER_LOG_FILE = "vllm_server.log"  # in the run folder: the log of a vLLM server pods started
 
 
