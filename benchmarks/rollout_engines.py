@@ -195,21 +195,21 @@ def main() -> None:
     hf_long_unshared = HFGenerateEngine(
         long_model, long_tokenizer, generation_batch_size=256, share_prefix=False
     )
-    vllm_long = VLLMEngine(long_model, long_tokenizer, kv_cache_gb=kv_cache_gb)
-    triple = side_by_side(
-        {
-            "hf": lambda: hf_long.generate(long_prompts, long_n, long),
-            "hf_unshared": lambda: hf_long_unshared.generate(long_prompts, long_n, long),
-            "vllm": lambda: vllm_long.generate(long_prompts, long_n, long),
-        },
-        1,
-        "long prompts",
-    )
-    results["hf_long"], results["vllm_long"] = triple["hf"], triple["vllm"]
+    calls = {
+        "hf": lambda: hf_long.generate(long_prompts, long_n, long),
+        "hf_unshared": lambda: hf_long_unshared.generate(long_prompts, long_n, long),
+    }
+    # --smoke starts one vLLM engine (the one above): the long case's engines are the same code again
+    vllm_long = None if args.smoke else VLLMEngine(long_model, long_tokenizer, kv_cache_gb=kv_cache_gb)
+    if vllm_long is not None:
+        calls["vllm"] = lambda: vllm_long.generate(long_prompts, long_n, long)
+    triple = side_by_side(calls, 1, "long prompts")
+    results["hf_long"], results["vllm_long"] = triple["hf"], triple.get("vllm", (float("nan"), 0))
     results["hf_long_n_prefills"] = triple["hf_unshared"]
-    vllm_long.close()  # one engine per process: the same case again without vLLM's prefix cache
+    if vllm_long is not None:
+        vllm_long.close()  # one engine per process: the same case again without vLLM's prefix cache
     results["vllm_long_no_prefix_cache"] = (float("nan"), 0)
-    if not args.smoke:  # a third engine start: --smoke checks that the rest runs
+    if not args.smoke:
         uncached = VLLMEngine(
             long_model, long_tokenizer, kv_cache_gb=kv_cache_gb, enable_prefix_caching=False
         )
