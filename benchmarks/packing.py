@@ -11,7 +11,7 @@ off, alternating, the median of ``--repeats`` (the first call of each is warm-up
   step, its own sampled completions (HF ``generate``, 32 new tokens at most);
 - ``pods train default``: the shipped arith model with TrainConfig's defaults (PODS 16/4, 16 prompts);
 - ``GSM8K format``: a random 2-layer Qwen2 (hidden 64) with the real Qwen2.5 tokenizer, the paper's chat
-  prompt on GSM8K training questions, PODS 16/4 kept rows of 128-256 random tokens, 4 rows (a group) per
+  prompt on 4 GSM8K training questions, PODS 16/4 kept rows of 128-256 random tokens, 4 rows (a group) per
   micro-batch (reads ``../shared/data``: ``--data``).
 
 Peak memory is that of the update (``update_memory.PeakMemory``: the CUDA allocator, else the resident set
@@ -228,7 +228,7 @@ def main() -> None:
     n, m, p = default.num_generations, default.num_generations_kept, default.prompts_per_step
     batch = sampled_batch(arith_model, arith_tokenizer, "arith", p, n, m, default.max_completion_length)
     cases["pods train default"] = (arith_model, batch, default)
-    m, p, lengths = (2, 2, (8, 16)) if smoke else (4, 16, (128, 256))
+    m, p, lengths = (2, 2, (8, 16)) if smoke else (4, 4, (128, 256))  # 151k-vocabulary logits: 4 prompts
     gsm8k_model, batch = gsm8k_case(args.data, p, m, lengths)
     config = TrainConfig(
         num_generations=16, num_generations_kept=m, prompts_per_step=p, micro_batch_size=m,

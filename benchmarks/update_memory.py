@@ -4,6 +4,7 @@
     python benchmarks/update_memory.py --length 64     # a quicker look
     python benchmarks/update_memory.py --smoke         # a 0.1M-parameter model, 4 tokens: that it runs
     python benchmarks/update_memory.py --no-packing    # the update unpacked (packing: false)
+    python benchmarks/update_memory.py --token-budget 512   # packed forwards of at most 512 tokens
 
 One prompt per step and the whole kept batch in one micro-batch (micro_batch_size = m), so nothing hides
 the update's cost behind gradient accumulation: the paper's comparison. Each configuration runs one step
@@ -29,6 +30,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from pods.packing import DEFAULT_TOKEN_BUDGET
 
 CONFIGS = ((8, 8), (64, 8), (64, 64))  # (n generated, m kept) per prompt
 
@@ -167,7 +170,15 @@ class PeakMemory:
 
 
 # ---------------------------------------------------------------------- one configuration
-def run_config(model_dir: str, n: int, m: int, length: int, workdir: str, packing: bool = True) -> dict:
+def run_config(
+    model_dir: str,
+    n: int,
+    m: int,
+    length: int,
+    workdir: str,
+    packing: bool = True,
+    token_budget: int = DEFAULT_TOKEN_BUDGET,
+) -> dict:
     """One real trainer step at (n, m); the update phase's peak memory and the step's measured shape."""
     from datasets import Dataset
 
@@ -196,6 +207,7 @@ def run_config(model_dir: str, n: int, m: int, length: int, workdir: str, packin
         progress=False,
         rollout_engine="hf",  # the update phase is measured; keep one engine for every setting
         packing=packing,
+        token_budget=token_budget,
     )
     vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
     prompts = word_prompts(4, vocab_size=vocab)
@@ -241,6 +253,12 @@ def main() -> None:
         help="smallest size, a few seconds: checks that it runs, measures nothing",
     )
     parser.add_argument("--no-packing", action="store_true", help="the update without shared-prefix packing")
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=DEFAULT_TOKEN_BUDGET,
+        help="packing: tokens per forward (default: pods' default)",
+    )
     parser.add_argument("--worker", nargs=3, metavar=("MODEL_DIR", "N", "M"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
@@ -249,7 +267,7 @@ def main() -> None:
     if args.worker:
         model_dir, n, m = args.worker[0], int(args.worker[1]), int(args.worker[2])
         with tempfile.TemporaryDirectory() as workdir:
-            result = run_config(model_dir, n, m, args.length, workdir, packing=not args.no_packing)
+            result = run_config(model_dir, n, m, args.length, workdir, not args.no_packing, args.token_budget)
             print(json.dumps(result), flush=True)
         return
 
@@ -272,7 +290,7 @@ def main() -> None:
             if args.smoke:  # one process for all three: whether it runs, not what it measures
                 with tempfile.TemporaryDirectory() as workdir:
                     results[n, m] = run_config(
-                        str(model_dir), n, m, args.length, workdir, packing=not args.no_packing
+                        str(model_dir), n, m, args.length, workdir, not args.no_packing, args.token_budget
                     )
                 continue
             command = [sys.executable, __file__, *sys.argv[1:], "--worker", str(model_dir), str(n), str(m)]
@@ -285,7 +303,8 @@ def main() -> None:
     print(
         f"model: random Llama, {params / 1e6:.1f}M parameters ({args.layers} layers, hidden {args.hidden}, "
         f"vocab {args.vocab}); one prompt per step, micro_batch_size = m, {args.length}-token completions; "
-        f"device {device}, {args.threads} thread(s), packing {'off' if args.no_packing else 'on'}"
+        f"device {device}, {args.threads} thread(s), packing "
+        f"{'off' if args.no_packing else f'on (token_budget {args.token_budget})'}"
     )
     what = "max_memory_allocated" if device.startswith("cuda") else "peak RSS"
     print(

@@ -11,7 +11,8 @@ command, no network.
    per step, bf16 mixed precision, HF ``generate`` (``--engine``), the same training-time budget per arm
    and seed, evaluation off the clock; and both again with ``async_generation`` (arms ``grpo-async`` and
    ``pods-async``: a rollout worker, on the GPU's spare capacity with one GPU, on a GPU of its own with two;
-   ``--no-async`` leaves them out).
+   ``--no-async`` leaves them out); and PODS with ``packing: false`` (arm ``pods-unpacked``: each prompt
+   forwarded and prefilled once per row) beside the packed default.
 3. When bitsandbytes is installed: the paper's single-GPU setting in small, the base in 4-bit + LoRA
    (8-bit AdamW on a GPU, as in the paper), for ``--qlora-seconds``. With vLLM (built unquantized, fed
    dequantize(W) + LoRA delta) it counts the prompts whose greedy completions from vLLM and from the HF
@@ -476,6 +477,9 @@ def compare_check(model_dir: Path, args: argparse.Namespace, device: str, rows: 
     arms = compare_arms(base, ["grpo", "pods"])
     if not args.no_async:
         arms += [Arm(f"{arm.name}-async", {**arm.overrides, "async_generation": True}) for arm in arms]
+    # packing on (every arm above: the default) and off: the same PODS 16/4 with each prompt forwarded and
+    # prefilled once per row
+    arms.append(Arm("pods-unpacked", {**arms[1].overrides, "packing": False}))
     summary = run_sweep(base, arms, seeds, args.out, baseline="grpo", trainer_kwargs=rows)
     print("\n" + format_summary(summary))
     grpo, pods = summary["arms"]["grpo"], summary["arms"]["pods"]
@@ -484,6 +488,7 @@ def compare_check(model_dir: Path, args: argparse.Namespace, device: str, rows: 
         row = summary["arms"][arm.name]
         label = (
             f"{'GRPO 4/4' if arm.name.startswith('grpo') else 'PODS 16/4'}{' async' * ('async' in arm.name)}"
+            f"{' unpacked' * ('unpacked' in arm.name)}"
         )
         print(
             f"  {label}: generate {row['seconds_generate_per_step']:.3f} + update {row['seconds_update_per_step']:.3f} "
@@ -491,6 +496,12 @@ def compare_check(model_dir: Path, args: argparse.Namespace, device: str, rows: 
         )
     ratio = pods["seconds_generate_per_step"] / max(grpo["seconds_generate_per_step"], 1e-9)
     print(f"  4x the rollouts cost {ratio:.2f}x the generation time of GRPO's", flush=True)
+    unpacked = summary["arms"]["pods-unpacked"]
+    print(
+        f"  packing: PODS 16/4's update {unpacked['seconds_update_per_step'] / max(pods['seconds_update_per_step'], 1e-9):.2f}x "
+        f"faster packed, generation {unpacked['seconds_generate_per_step'] / max(pods['seconds_generate_per_step'], 1e-9):.2f}x",
+        flush=True,
+    )
     return {"summary": summary, "seconds": time.perf_counter() - started}
 
 

@@ -53,6 +53,10 @@ def test_parse_overrides() -> None:
         ({"num_generations_kept": 1}, "at least 2"),
         ({"micro_batch_size": 5}, "must divide the kept rows"),
         ({"token_budget": 0}, "token_budget: must be at least 1"),
+        (
+            {"attn_implementation": "flash"},
+            "attn_implementation: unknown value .flash.; choose one of auto, sdpa",
+        ),
         ({"loss_type": "ppo"}, "grpo, bnpo, dapo, dr_grpo"),
         ({"scale_rewards": True}, "scale_rewards must be str"),
         ({"selection_rule": "all"}, "num_generations_kept = n"),

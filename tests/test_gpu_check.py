@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
@@ -43,7 +44,11 @@ def test_gpu_check_tiny_runs_without_datasets_or_trl_and_writes_small_shallow_re
         packing["float32"]["logprob_max_abs_diff"] < 1e-5 and packing["float32"]["grad_max_rel_diff"] < 1e-4
     )
     assert packing["generate_seconds_n16"]["packed"] > 0
-    assert set(figures["compare"]["summary"]["arms"]) == {"grpo", "pods", "grpo-async", "pods-async"}
+    arms = {"grpo", "pods", "grpo-async", "pods-async", "pods-unpacked"}
+    assert set(figures["compare"]["summary"]["arms"]) == arms
+    unpacked = yaml.safe_load((out / "pods-unpacked" / "seed0" / "config.yaml").read_text())
+    assert unpacked["packing"] is False and unpacked["num_generations"] == 16  # PODS 16/4, packing off
+    assert "packing: PODS 16/4's update" in result.stdout
     assert figures["compare"]["summary"]["arms"]["pods"]["steps"] == [2]
     assert "PODS 16/4 async: generate" in result.stdout
     async_rows = [json.loads(line) for line in (out / "pods-async" / "seed0" / "metrics.jsonl").open()]

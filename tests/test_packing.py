@@ -14,7 +14,15 @@ import torch
 from pods.checkpoint import TrainerState
 from pods.config import TrainConfig
 from pods.loss import completion_logprobs
-from pods.packing import attention_mask, flex_block_mask, pack, packable, packing_blocker
+from pods.packing import (
+    attention_implementation,
+    attention_mask,
+    flex_block_mask,
+    forward_slices,
+    pack,
+    packable,
+    packing_blocker,
+)
 from pods.rollout import Rollouts
 from pods.update import NonFiniteGuard, policy_update
 
@@ -67,6 +75,42 @@ def test_a_long_group_splits_with_its_own_prompt_copy_and_small_groups_share_a_r
     assert packed.input_ids.shape[1] == 5  # as long as the longest unit, not the budget
     # a single prompt + completion longer than the budget stands alone rather than failing
     assert pack(*padded([[1, 2]], [[3, 4, 5]]), token_budget=2).input_ids.tolist() == [[1, 2, 3, 4, 5]]
+
+
+def test_forward_slices_stay_within_the_budget_and_score_every_completion_once() -> None:
+    """Eight packed rows of 5 tokens (budget 5: every completion a unit of its own): a budget of 12 gives
+    forwards of 2 rows (10 tokens), each scoring whole completions, together each completion token once; a
+    budget under one row still forwards row by row."""
+    batch = padded(
+        [[1, 2]] * 6 + [[3, 4, 5]] * 2,
+        [
+            [21, 22, 23],
+            [24, 25, 26],
+            [27, 28, 29],
+            [30, 31, 32],
+            [33, 34, 35],
+            [36, 37, 38],
+            [39, 40],
+            [41, 42],
+        ],
+    )
+    packed = pack(*batch, token_budget=5)
+    rows, length = packed.input_ids.shape
+    assert (rows, length) == (8, 5)
+    for budget, expected in ((12, [2, 2, 2, 2]), (3, [1] * 8), (40, [8]), (39, [7, 1])):
+        slices = forward_slices(packed, budget)
+        assert [piece.input_ids.shape[0] for piece in slices] == expected, budget
+        scored = torch.stack([piece.rows_scored() for piece in slices])
+        assert scored.sum(dim=0).tolist() == [1] * 8  # every row in exactly one forward
+        for piece in slices:
+            # the same tokens at the same places: labels gathered through the slice's own indices
+            labels = piece.labels.flatten()[piece.label_index]
+            assert labels.tolist() == batch[2].flatten()[piece.label_dest].tolist()
+            assert piece.first_column == min(int(i) % length for i in piece.label_index)
+            assert set((piece.label_dest // batch[2].shape[1]).tolist()) == set(
+                piece.rows_scored().nonzero().flatten().tolist()
+            )
+        assert sum(piece.num_tokens for piece in slices) == packed.num_tokens
 
 
 def test_the_mask_shows_each_completion_its_prompt_and_its_own_past_only() -> None:
@@ -216,6 +260,13 @@ def run_update(model, batch: Rollouts, settings: dict, packing: bool, lora: bool
         max_completion_length=7, packing=packing, **settings,
     )  # fmt: skip
     optimizer = RecordingSGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    forwards: list[int] = []  # tokens of each forward with gradients (the update's, not old/ref log-probs)
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: (
+            forwards.append(kwargs["input_ids"].numel()) if torch.is_grad_enabled() else None
+        ),
+        with_kwargs=True,
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     reference = copy.deepcopy(model).eval() if settings.get("beta") and not lora else None
@@ -226,14 +277,21 @@ def run_update(model, batch: Rollouts, settings: dict, packing: bool, lora: bool
     metrics = policy_update(
         accelerator, model, optimizer, scheduler, batch, advantages, config, guard, reference, trained=trained
     )
-    return metrics, optimizer.optimizer.steps
+    return metrics, optimizer.optimizer.steps, forwards
 
 
 def assert_same_update(model, batch: Rollouts, settings: dict, lora: bool = False) -> None:
-    """Loss within 1e-6 relative, every parameter's gradient at every optimizer step within 1e-4."""
+    """Loss within 1e-6 relative, every parameter's gradient at every optimizer step within 1e-4. With a
+    ``token_budget`` that one prompt + completion fits, every packed forward stays within it (so the
+    micro-batches of 9 rows run as several forwards each)."""
     assert packing_blocker(model) is None  # the packed arm does pack
-    packed, packed_steps = run_update(model, batch, settings, packing=True, lora=lora)
-    unpacked, unpacked_steps = run_update(model, batch, settings, packing=False, lora=lora)
+    packed, packed_steps, packed_forwards = run_update(model, batch, settings, packing=True, lora=lora)
+    unpacked, unpacked_steps, unpacked_forwards = run_update(model, batch, settings, packing=False, lora=lora)
+    passes = settings.get("num_iterations", 1)
+    assert len(unpacked_forwards) == 2 * passes  # one forward per micro-batch and pass
+    if "token_budget" in settings:
+        assert max(packed_forwards) <= settings["token_budget"], packed_forwards
+        assert len(packed_forwards) > len(unpacked_forwards)
     assert packed.keys() == unpacked.keys()
     for key, value in unpacked.items():
         tolerance = 1e-4 if key == "grad_norm" else 1e-6
@@ -247,8 +305,13 @@ def assert_same_update(model, batch: Rollouts, settings: dict, lora: bool = Fals
 
 # name: (architecture, attention, settings, with the sampler's log-probs: importance weights)
 UPDATE_CASES = {
-    "grpo-kl-2-passes-weights": ("llama", "sdpa", dict(loss_type="grpo", beta=0.1, num_iterations=2), True),
-    "bnpo": ("qwen2", "eager", dict(loss_type="bnpo"), False),
+    "grpo-kl-2-passes-weights": (
+        "llama",
+        "sdpa",
+        dict(loss_type="grpo", beta=0.1, num_iterations=2, token_budget=16),
+        True,
+    ),
+    "bnpo": ("qwen2", "eager", dict(loss_type="bnpo", token_budget=16), False),
     "dapo-kl-weights": ("qwen2", "sdpa", dict(loss_type="dapo", beta=0.05), True),
     "dr_grpo-2-passes": ("llama", "eager", dict(loss_type="dr_grpo", num_iterations=2), False),
 }
@@ -256,7 +319,8 @@ UPDATE_CASES = {
 
 @pytest.mark.parametrize("case", list(UPDATE_CASES))
 def test_the_packed_update_equals_the_unpacked_one(case: str) -> None:
-    """Three groups over two micro-batches (a group split between them), one group training a single row."""
+    """Three groups over two micro-batches (a group split between them), one group training a single row;
+    with a budget of 16 tokens, each micro-batch as several forwards, each backpropagated on its own."""
     architecture, attention, settings, sampling = UPDATE_CASES[case]
     model = tiny(architecture, attention)
     assert_same_update(model, rollouts_of(random_batch(), 3, 3, sampling), settings)
@@ -354,3 +418,20 @@ def test_pods_train_with_and_without_packing_samples_and_learns_the_same(
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
     for a, b in zip(packed_weights, unpacked_weights, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # Adam: 1% of a step (lr 1e-3)
+
+
+def test_attn_implementation_picks_the_attention_packing_runs_on(tiny_model_dir: Path) -> None:
+    """auto leaves transformers' default (SDPA: it takes the mask); eager is loaded as asked, for the reference
+    too; an implementation this machine cannot run stops at load with one line naming the key and the fix."""
+    from pods.errors import ConfigError
+    from pods.models import load_policy, load_reference
+
+    auto = load_policy(TrainConfig(model=str(tiny_model_dir))).model
+    assert attention_implementation(auto) == "sdpa" and packing_blocker(auto) is None
+    eager = TrainConfig(model=str(tiny_model_dir), attn_implementation="eager")
+    assert attention_implementation(load_policy(eager).model) == "eager"
+    assert attention_implementation(load_reference(eager)) == "eager"
+    with pytest.raises(
+        ConfigError, match=r"^attn_implementation: flash_attention_2 cannot run here .*use auto"
+    ):
+        load_policy(TrainConfig(model=str(tiny_model_dir), attn_implementation="flash_attention_2"))

@@ -406,11 +406,13 @@ def test_under_deepspeed_zero3_the_exported_model_holds_the_full_trained_weights
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """ZeRO-3 partitions every parameter (each process holds an empty local shard): the checkpoint's model/
-    folder is written from the gathered weights, equal to a plain run's after the same steps."""
+    folder is written from the gathered weights, equal to a plain run's after the same steps. token_budget 1
+    runs each packed completion as a forward of its own: DeepSpeed must step once per micro-batch group,
+    after the last of them (the first forwards are no accumulation boundary)."""
     pytest.importorskip("deepspeed")
     from safetensors.torch import load_file
 
-    settings = {"max_steps": 2}
+    settings = {"max_steps": 2, "token_budget": 1}
     command, env = deepspeed_launch(tiny_model_dir, tmp_path / "zero3", settings, stage=3)
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -428,7 +430,10 @@ def test_under_deepspeed_zero3_the_exported_model_holds_the_full_trained_weights
 
 @pytest.mark.slow
 def test_two_processes_keep_identical_parameters(tiny_model_dir: Path, tmp_path: Path) -> None:
-    command, env = two_process_launch(tiny_model_dir, tmp_path, {"max_steps": 2, "scale_rewards": "batch"})
+    """DDP over gloo; token_budget 1 runs each packed completion as a forward of its own, the first ones
+    under no_sync: the gradients must still be averaged over both processes once per micro-batch."""
+    settings = {"max_steps": 2, "scale_rewards": "batch", "token_budget": 1}
+    command, env = two_process_launch(tiny_model_dir, tmp_path, settings)
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MULTI_CPU" in result.stdout

@@ -48,6 +48,18 @@ DIFFICULTY_BUCKETS = 4  # num_generations_kept_by_difficulty: GFPO's quartiles o
 EMBEDDED_MODEL = "embedded"
 
 
+# transformers' attention implementations a config may name; "auto" leaves the choice to transformers (SDPA
+# where the model has it, else eager: both take packing's mask).
+ATTENTION_IMPLEMENTATIONS = (
+    "auto",
+    "sdpa",
+    "eager",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+)
+
+
 @dataclass
 class TrainConfig:
     """Everything a training run needs. Defaults are the embedded CPU demo (``pods train``)."""
@@ -56,6 +68,9 @@ class TrainConfig:
     model: str = EMBEDDED_MODEL  # a local folder, a hub name, or "embedded" (the shipped arithmetic model)
     tokenizer: str | None = None  # defaults to the model's own
     dtype: str = "float32"  # weights' dtype: float32, bfloat16, float16, or auto
+    attn_implementation: str = (
+        "auto"  # auto (transformers' default: sdpa, else eager), sdpa, eager, flex_attention, ...
+    )
     lora_r: int = 0  # 0 = full fine-tuning; > 0 = LoRA through peft with this rank
     lora_alpha: int = 64
     lora_dropout: float = 0.0
@@ -315,6 +330,7 @@ class TrainConfig:
         if self.prompt_style is not None:
             require_choice(self.prompt_style, ("chat", "plain", "raw"), "prompt_style")
         require_choice(self.dtype, ("float32", "bfloat16", "float16", "auto"), "dtype")
+        require_choice(self.attn_implementation, ATTENTION_IMPLEMENTATIONS, "attn_implementation")
         _require(self.beta >= 0, "beta", f"must be >= 0, got {self.beta}")
         _require(self.epsilon >= 0, "epsilon", f"must be >= 0, got {self.epsilon}")
         _require(self.num_iterations >= 1, "num_iterations", f"must be at least 1, got {self.num_iterations}")

@@ -6,8 +6,9 @@ the processes meet: metrics over every process, and clock-based decisions that a
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -132,6 +133,23 @@ def synced_mean(accelerator: Any, value: float) -> float:
     """The mean of a scalar over processes."""
     total = synced_sum(accelerator, torch.tensor(value, dtype=torch.float64))
     return float(total) / accelerator.num_processes
+
+
+@contextlib.contextmanager
+def gradients_kept_local(accelerator: Any, model: Any) -> Iterator[None]:
+    """Backward passes inside add to this process's gradients only: no gradient sync (DDP's and FSDP's
+    ``no_sync``) and, under DeepSpeed, no accumulation boundary (it would step in backward). For every
+    forward of a micro-batch that runs as several but its last; inside an accumulating micro-batch it
+    changes nothing."""
+    if not accelerator.sync_gradients:
+        yield
+        return
+    accelerator.sync_gradients = False  # accelerate's switch: DeepSpeed's backward reads it as the boundary
+    try:
+        with accelerator.no_sync(model):
+            yield
+    finally:
+        accelerator.sync_gradients = True
 
 
 def deepspeed_batch_settings(

@@ -3,8 +3,10 @@
 - :func:`selected_token_logprobs`: ``log p(token)`` from logits, chunk by chunk, never holding a full
   ``[B, L, V]`` log-softmax (with a 151k vocabulary that tensor would dominate memory).
 - :func:`completion_logprobs`: log-probs of completion tokens under a causal LM (prompt + completion in
-  one forward, positions from the attention mask, only the logits that are needed); optionally under the
-  top-k / top-p truncated, renormalised distribution a sampler draws from (no gradient).
+  one forward, positions from the attention mask, only the logits that are needed; or shared-prefix packed,
+  each prompt once); optionally under the top-k / top-p truncated, renormalised distribution a sampler
+  draws from (no gradient). :func:`plan_forwards` + :func:`forward_logprobs` are the same, forward by
+  forward (the update backpropagates each before the next).
 - :func:`policy_loss`: the clipped surrogate, an optional k3 KL penalty and the token aggregation modes,
   written so that summing the losses of micro-batches gives exactly the loss of the whole batch.
 """
@@ -18,13 +20,25 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pods.packing import DEFAULT_TOKEN_BUDGET, attention_path, model_mask, pack, packable, packing_blocker
+from pods.packing import (
+    DEFAULT_TOKEN_BUDGET,
+    Packing,
+    attention_path,
+    forward_slices,
+    model_mask,
+    pack,
+    packable,
+    packing_blocker,
+)
 
 __all__ = [
     "LOSS_TYPES",
+    "Forward",
     "LossOutput",
     "completion_logprobs",
+    "forward_logprobs",
     "mean_abs_difference",
+    "plan_forwards",
     "policy_loss",
     "selected_token_logprobs",
     "truncated_importance_weights",
@@ -159,6 +173,107 @@ def _last_used_column(mask: Tensor) -> int:
     return int(columns.max()) if columns.numel() else -1
 
 
+@dataclass(frozen=True)
+class Forward:
+    """One forward pass over a micro-batch: the rows whose completions it scores (``rows`` [B] bool) and,
+    when packed, their packed rows (None: the padded rows as they are, all of them)."""
+
+    rows: Tensor
+    packed: Packing | None
+
+
+def _check_rows(
+    prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor
+) -> None:
+    if prompt_ids.ndim != 2 or prompt_mask.shape != prompt_ids.shape:
+        raise ValueError(
+            f"prompt_ids and prompt_mask must both be [B, Lp]; got {tuple(prompt_ids.shape)} and "
+            f"{tuple(prompt_mask.shape)}."
+        )
+    if completion_ids.ndim != 2 or completion_mask.shape != completion_ids.shape:
+        raise ValueError(
+            f"completion_ids and completion_mask must both be [B, Lc]; got {tuple(completion_ids.shape)} "
+            f"and {tuple(completion_mask.shape)}."
+        )
+    if completion_ids.shape[0] != prompt_ids.shape[0]:
+        raise ValueError(
+            f"prompt and completion batch sizes differ: {prompt_ids.shape[0]} vs {completion_ids.shape[0]}."
+        )
+    if prompt_ids.shape[0] and int(prompt_mask.sum(dim=1).min()) == 0:
+        raise ValueError("every row needs at least one prompt token: it predicts the first completion token.")
+
+
+def plan_forwards(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    packing: bool = True,
+    token_budget: int = DEFAULT_TOKEN_BUDGET,
+) -> list[Forward]:
+    """The forward passes that score these rows: one over the padded rows, or (``packing``, where the model's
+    attention takes the mask: :func:`pods.packing.packing_blocker`) shared-prefix packed rows, each prompt
+    once, in forwards of at most ``token_budget`` tokens (:func:`pods.packing.forward_slices`)."""
+    _check_rows(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    everything = Forward(torch.ones(prompt_ids.shape[0], dtype=torch.bool), None)
+    if completion_ids.shape[1] == 0 or not (packing and _packs(model, prompt_mask, completion_mask)):
+        return [everything]
+    packed = pack(
+        prompt_ids.cpu(), prompt_mask.cpu(), completion_ids.cpu(), completion_mask.cpu(), token_budget
+    )
+    return [Forward(piece.rows_scored(), piece) for piece in forward_slices(packed, token_budget)]
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    forward: Forward,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> Tensor:
+    """Log-probs ``[B, Lc]`` (float32) of the completion tokens ``forward`` scores (0 at every other position
+    when packed; finite but meaningless at masked positions unpacked). See :func:`completion_logprobs`."""
+    device = next(model.parameters()).device
+    batch, num_completion = completion_ids.shape
+    if batch == 0 or num_completion == 0:
+        return torch.zeros(batch, num_completion, dtype=torch.float32, device=device)
+    if top_k > 0 or top_p < 1.0:
+        if torch.is_grad_enabled():
+            raise ValueError(
+                "top-k / top-p truncated log-probs have no gradient; compute them under no_grad."
+            )
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}.")
+    scoring = {"temperature": temperature, "chunk_size": chunk_size, "top_k": top_k, "top_p": top_p}
+    if forward.packed is not None:
+        return _packed_logprobs(model, forward.packed, scoring)
+    use_logits_to_keep = _accepts_logits_to_keep(model)
+
+    # Trim columns that are padding in every row: leading prompt padding and trailing completion padding
+    # (pure speed-up: positions come from the mask).
+    first = int(prompt_mask.any(dim=0).long().argmax())
+    width = max(1, _last_used_column(completion_mask) + 1)
+    ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :width]], dim=1).to(device)
+    mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :width]], dim=1).long().to(device)
+    position_ids = (mask.cumsum(dim=1) - 1).clamp_min(0)
+    keep = {"logits_to_keep": width + 1} if use_logits_to_keep else {}
+    logits = model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **keep
+    ).logits
+    # The logit at position t predicts token t + 1: the last width + 1 logits minus the final one.
+    logits = logits[:, -(width + 1) : -1]
+    logprobs = _token_logprobs(logits, completion_ids[:, :width].to(device), **scoring)
+    return torch.nn.functional.pad(logprobs, (0, num_completion - width))
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     prompt_ids: Tensor,
@@ -187,59 +302,16 @@ def completion_logprobs(
     completion of a micro-batch; 0 everywhere they are masked when packed).
 
     With ``packing`` (where the model's attention takes a custom mask: :func:`pods.packing.packing_blocker`)
-    rows with the same prompt forward it once, in packed rows of about ``token_budget`` tokens: the same
-    log-probs, each prompt computed once.
+    rows with the same prompt forward it once, in forwards of at most ``token_budget`` tokens: the same
+    log-probs, each prompt computed once. (With gradients, all forwards' activations are held until the
+    caller's backward: :func:`pods.update.policy_update` backpropagates forward by forward instead.)
     """
-    if prompt_ids.ndim != 2 or prompt_mask.shape != prompt_ids.shape:
-        raise ValueError(
-            f"prompt_ids and prompt_mask must both be [B, Lp]; got {tuple(prompt_ids.shape)} and "
-            f"{tuple(prompt_mask.shape)}."
-        )
-    if completion_ids.ndim != 2 or completion_mask.shape != completion_ids.shape:
-        raise ValueError(
-            f"completion_ids and completion_mask must both be [B, Lc]; got {tuple(completion_ids.shape)} "
-            f"and {tuple(completion_mask.shape)}."
-        )
-    if completion_ids.shape[0] != prompt_ids.shape[0]:
-        raise ValueError(
-            f"prompt and completion batch sizes differ: {prompt_ids.shape[0]} vs {completion_ids.shape[0]}."
-        )
-
-    batch, num_completion = completion_ids.shape
-    if batch and int(prompt_mask.sum(dim=1).min()) == 0:
-        raise ValueError("every row needs at least one prompt token: it predicts the first completion token.")
-    device = next(model.parameters()).device
-    if batch == 0 or num_completion == 0:
-        return torch.zeros(batch, num_completion, dtype=torch.float32, device=device)
-    if top_k > 0 or top_p < 1.0:
-        if torch.is_grad_enabled():
-            raise ValueError(
-                "top-k / top-p truncated log-probs have no gradient; compute them under no_grad."
-            )
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}.")
+    rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
     scoring = {"temperature": temperature, "chunk_size": chunk_size, "top_k": top_k, "top_p": top_p}
-    if packing and _packs(model, prompt_mask, completion_mask):
-        return _packed_logprobs(
-            model, prompt_ids, prompt_mask, completion_ids, completion_mask, token_budget, scoring
-        )
-    use_logits_to_keep = _accepts_logits_to_keep(model)
-
-    # Trim columns that are padding in every row: leading prompt padding and trailing completion padding
-    # (pure speed-up: positions come from the mask).
-    first = int(prompt_mask.any(dim=0).long().argmax())
-    width = max(1, _last_used_column(completion_mask) + 1)
-    ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :width]], dim=1).to(device)
-    mask = torch.cat([prompt_mask[:, first:], completion_mask[:, :width]], dim=1).long().to(device)
-    position_ids = (mask.cumsum(dim=1) - 1).clamp_min(0)
-    keep = {"logits_to_keep": width + 1} if use_logits_to_keep else {}
-    logits = model(
-        input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **keep
-    ).logits
-    # The logit at position t predicts token t + 1: the last width + 1 logits minus the final one.
-    logits = logits[:, -(width + 1) : -1]
-    logprobs = _token_logprobs(logits, completion_ids[:, :width].to(device), **scoring)
-    return torch.nn.functional.pad(logprobs, (0, num_completion - width))
+    forwards = plan_forwards(model, *rows, packing=packing, token_budget=token_budget)
+    parts = [forward_logprobs(model, forward, *rows, **scoring) for forward in forwards]
+    # packed forwards score disjoint tokens and leave 0 everywhere else
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum(dim=0)
 
 
 def _token_logprobs(
@@ -279,20 +351,9 @@ def _packs(model: torch.nn.Module, prompt_mask: Tensor, completion_mask: Tensor)
     return True
 
 
-def _packed_logprobs(
-    model: torch.nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    completion_ids: Tensor,
-    completion_mask: Tensor,
-    token_budget: int,
-    scoring: dict,
-) -> Tensor:
-    """:func:`completion_logprobs` over shared-prefix packed rows (:mod:`pods.packing`): each prompt once."""
+def _packed_logprobs(model: torch.nn.Module, packed: Packing, scoring: dict) -> Tensor:
+    """:func:`forward_logprobs` over shared-prefix packed rows (:mod:`pods.packing`): each prompt once."""
     device = next(model.parameters()).device
-    packed = pack(
-        prompt_ids.cpu(), prompt_mask.cpu(), completion_ids.cpu(), completion_mask.cpu(), token_budget
-    )
     length = packed.input_ids.shape[1]
     # Logits only from the first labelled column on (transformers keeps a suffix of the row).
     keep = length - packed.first_column
@@ -351,6 +412,7 @@ def policy_loss(
     total_sequences: int | Tensor,
     total_tokens: int | Tensor,
     max_completion_length: int,
+    micro_batch_mask: Tensor | None = None,
 ) -> LossOutput:
     """Clipped GRPO surrogate (+ ``beta`` x k3 KL) of one micro-batch, scaled as its share of the batch loss.
 
@@ -360,7 +422,9 @@ def policy_loss(
 
     - ``"grpo"``: sum over sequences of the sequence's token mean, / ``total_sequences``;
     - ``"bnpo"`` (TRL's): this micro-batch's token mean, weighted by its share of the sequences, so the
-      batch loss is the mean over (equal-sized) micro-batches of their own token means;
+      batch loss is the mean over (equal-sized) micro-batches of their own token means (where ``mask``
+      covers one forward's rows of a micro-batch, ``micro_batch_mask`` is the whole micro-batch's mask, which
+      sets the mean and the share);
     - ``"dapo"``: token sum / ``total_tokens`` (the caller sets its scope: all processes, as DAPO does);
     - ``"dr_grpo"``: token sum / (``total_sequences`` x ``max_completion_length``).
 
@@ -377,6 +441,7 @@ def policy_loss(
     _check_same_shape("old_logprobs", old_logprobs, logprobs.shape)
     _check_same_shape("ref_logprobs", ref_logprobs, logprobs.shape)
     _check_same_shape("importance_weights", importance_weights, logprobs.shape)
+    _check_same_shape("micro_batch_mask", micro_batch_mask, logprobs.shape)
     if advantages.ndim == 1:
         advantages = advantages.unsqueeze(1)
     batch, length = logprobs.shape
@@ -426,8 +491,9 @@ def policy_loss(
         token_counts = mask.sum(dim=1).clamp_min(1)
         loss = (per_token.sum(dim=1) / token_counts).sum() / total_sequences
     elif loss_type == "bnpo":
-        sequences = mask.any(dim=1).sum()  # a padding row (no tokens) is no sequence
-        loss = per_token.sum() / mask.sum().clamp_min(1) * (sequences / total_sequences)
+        whole = mask if micro_batch_mask is None else micro_batch_mask.to(device).bool()
+        sequences = whole.any(dim=1).sum()  # a padding row (no tokens) is no sequence
+        loss = per_token.sum() / whole.sum().clamp_min(1) * (sequences / total_sequences)
     elif loss_type == "dapo":
         loss = per_token.sum() / total_tokens
     else:

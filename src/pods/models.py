@@ -67,6 +67,16 @@ def load_tokenizer(name: str, padding_side: str = "left"):
     return tokenizer
 
 
+def model_kwargs(config: TrainConfig) -> dict:
+    """``from_pretrained`` arguments of the configuration's dtype and attention implementation."""
+    kwargs: dict = {}
+    if config.dtype != "auto":
+        kwargs["dtype"] = DTYPES[config.dtype]
+    if config.attn_implementation != "auto":
+        kwargs["attn_implementation"] = config.attn_implementation
+    return kwargs
+
+
 def load_policy(config: TrainConfig, device: torch.device | None = None) -> Policy:
     """Build the model to train from the configuration: full weights, LoRA, or QLoRA (4-bit base); on ``device``
     if given (else where transformers loads it: the trainer's accelerator moves it)."""
@@ -83,9 +93,7 @@ def _build_policy(config: TrainConfig) -> Policy:
     adapter_dir = Path(name) / "adapter_config.json"
     tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer else name)
 
-    kwargs: dict = {}
-    if config.dtype != "auto":
-        kwargs["dtype"] = DTYPES[config.dtype]
+    kwargs = model_kwargs(config)
     if config.load_in_4bit:
         kwargs["quantization_config"] = _four_bit_config(config)
     try:
@@ -98,6 +106,14 @@ def _build_policy(config: TrainConfig) -> Policy:
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except OSError as error:
         raise ConfigError(f"model: could not load {name!r}: {_offline_hint(error)}") from None
+    except (ImportError, ValueError) as error:
+        if "attn_implementation" not in kwargs:
+            raise
+        first = str(error).strip().splitlines()[0]
+        raise ConfigError(
+            f"attn_implementation: {config.attn_implementation} cannot run here ({first}); "
+            "use auto, sdpa or eager"
+        ) from None
     keep_4bit_compute_dtype(model)
 
     if model.generation_config.pad_token_id is None:
@@ -147,8 +163,7 @@ def load_reference(config: TrainConfig) -> torch.nn.Module:
     """A frozen copy of the starting weights for the KL term (full fine-tuning only; LoRA disables its adapter)."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": DTYPES[config.dtype]} if config.dtype != "auto" else {}
-    reference = AutoModelForCausalLM.from_pretrained(resolve_model_path(config.model), **kwargs)
+    reference = AutoModelForCausalLM.from_pretrained(resolve_model_path(config.model), **model_kwargs(config))
     reference.requires_grad_(False)
     return reference.eval()
 

@@ -8,6 +8,8 @@ padding between them; a group longer than ``token_budget`` tokens splits into se
 own copy of the prompt.
 
 - :func:`pack`: padded rows -> a :class:`Packing` (pure: token ids and indices, no model);
+- :func:`forward_slices`: a packing's rows in slices of at most ``token_budget`` tokens, one forward each (the
+  update backpropagates each before the next: its activations are bounded by the budget, not the batch);
 - :func:`attention_mask`: its ``[R, 1, T, T]`` boolean mask (True: may attend);
 - :func:`model_mask`: that mask in the form the model's attention takes (bool, additive, FlexAttention's);
 - :func:`packing_blocker`: why a model cannot take that mask (None when it can).
@@ -30,6 +32,7 @@ __all__ = [
     "attention_mask",
     "attention_path",
     "flex_block_mask",
+    "forward_slices",
     "model_mask",
     "pack",
     "packable",
@@ -67,6 +70,30 @@ class Packing:
     def num_tokens(self) -> int:
         """Completion tokens scored."""
         return self.label_index.numel()
+
+    def rows_scored(self) -> Tensor:
+        """``[B]`` bool: the padded rows whose completion tokens these packed rows score."""
+        batch, width = self.shape
+        scored = torch.zeros(batch, dtype=torch.bool)
+        scored[self.label_dest // width] = True
+        return scored
+
+    def slice_rows(self, start: int, stop: int) -> Packing:
+        """Packed rows ``start:stop`` as a packing of their own (the same padded layout)."""
+        length = self.input_ids.shape[1]
+        inside = (self.label_index >= start * length) & (self.label_index < stop * length)
+        index = self.label_index[inside] - start * length
+        return Packing(
+            input_ids=self.input_ids[start:stop],
+            position_ids=self.position_ids[start:stop],
+            block_ids=self.block_ids[start:stop],
+            segment_ids=self.segment_ids[start:stop],
+            labels=self.labels[start:stop],
+            label_index=index,
+            label_dest=self.label_dest[inside],
+            first_column=int((index % length).min()),
+            shape=self.shape,
+        )
 
 
 def _is_prefix_mask(mask: Tensor) -> bool:
@@ -188,6 +215,19 @@ def pack(
         first_column=min(starts),
         shape=(batch, width),
     )
+
+
+def forward_slices(packed: Packing, token_budget: int = DEFAULT_TOKEN_BUDGET) -> list[Packing]:
+    """``packed``'s rows in consecutive slices of at most ``token_budget`` tokens each (padding counted; a
+    row longer than the budget, a single prompt + completion that is, goes alone). Each slice scores whole
+    completions, so a loss over one slice's rows is that slice's exact share of the batch loss."""
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}.")
+    rows, length = packed.input_ids.shape
+    per_slice = max(1, token_budget // length)
+    if per_slice >= rows:
+        return [packed]
+    return [packed.slice_rows(start, min(start + per_slice, rows)) for start in range(0, rows, per_slice)]
 
 
 def attention_mask(block_ids: Tensor, segment_ids: Tensor) -> Tensor:

@@ -2,7 +2,8 @@
 and the kept batch (testable without a trainer).
 
 The rows are split into micro-batches of ``micro_batch_size``, accumulated into one optimizer step per pass,
-``num_iterations`` passes. Old and reference log-probs come from evaluation-mode forwards (no dropout); the
+``num_iterations`` passes; packed (``packing``), a micro-batch runs as forwards of at most ``token_budget``
+tokens, each backpropagated before the next, so that memory is bounded by the budget. Old and reference log-probs come from evaluation-mode forwards (no dropout); the
 sampler's log-probs, when the engine reports them (vLLM), are compared with the old ones: truncated importance
 weights correct the sampler/trainer mismatch, and the mismatch is logged. A NaN/inf loss or gradient norm
 skips the optimizer step (:class:`NonFiniteGuard`).
@@ -21,9 +22,16 @@ import torch
 
 from pods.checkpoint import TrainerState
 from pods.config import TrainConfig
-from pods.distributed import step_was_applied, synced_any, synced_max, synced_sum
+from pods.distributed import gradients_kept_local, step_was_applied, synced_any, synced_max, synced_sum
 from pods.errors import NonFiniteError
-from pods.loss import completion_logprobs, mean_abs_difference, policy_loss, truncated_importance_weights
+from pods.loss import (
+    completion_logprobs,
+    forward_logprobs,
+    mean_abs_difference,
+    plan_forwards,
+    policy_loss,
+    truncated_importance_weights,
+)
 from pods.rollout import Rollouts
 
 # Loss statistics averaged over tokens (metric name -> field of the loss output).
@@ -116,18 +124,12 @@ def policy_update(
     total_tokens = synced_sum(acc, mask.sum().double()) / acc.num_processes
     total_sequences = float(synced_sum(acc, weighs.sum().double()) / acc.num_processes)
 
+    rows = (prompt_ids, prompt_mask, completion_ids, mask)
+    packing = {"packing": cfg.packing, "token_budget": cfg.token_budget}
+
     def logprobs_of(net: torch.nn.Module, part: slice, **truncation: Any) -> torch.Tensor:
-        return completion_logprobs(
-            net,
-            prompt_ids[part],
-            prompt_mask[part],
-            completion_ids[part],
-            mask[part],
-            temperature=temperature,
-            packing=cfg.packing,
-            token_budget=cfg.token_budget,
-            **truncation,
-        )
+        part_rows = [t[part] for t in rows]
+        return completion_logprobs(net, *part_rows, temperature=temperature, **packing, **truncation)
 
     parts = split_evenly(completion_ids.shape[0], num_parts)
     sampling_logprobs = batch.sampling_logprobs
@@ -167,7 +169,6 @@ def policy_update(
             # the last micro-batch of each pass; it divides the loss by the number of micro-batches,
             # which our loss already accounts for (each part is its share of the batch loss).
             with acc.accumulate(model):
-                logprobs = logprobs_of(model, part)
                 if sampling_logprobs is not None and part.start not in sampler_weights:
                     # first pass: the trainer's log-probs before this update against the sampler's
                     sampler_weights[part.start] = truncated_importance_weights(
@@ -181,24 +182,38 @@ def policy_update(
                         mismatch.append(
                             mean_abs_difference(comparable[part], sampling_logprobs[part], mask[part])
                         )
-                out = policy_loss(
-                    logprobs,
-                    advantages[part],
-                    mask[part],
-                    old_logprobs=None if iteration == 0 else old_logprobs[part],
-                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[part],
-                    importance_weights=sampler_weights.get(part.start) if correct else None,
-                    epsilon=cfg.epsilon,
-                    epsilon_high=cfg.epsilon_high,
-                    beta=cfg.beta,
-                    loss_type=cfg.loss_type,
-                    total_sequences=total_sequences,
-                    total_tokens=float(total_tokens),
-                    max_completion_length=cfg.max_completion_length,
-                )
-                # The loss is checked before backward: under DeepSpeed the optimizer steps inside it.
-                finite = finite and math.isfinite(out.loss.item())
-                acc.backward(out.loss * acc.gradient_accumulation_steps)
+                # Packed, a micro-batch runs as forwards of at most token_budget tokens, each backpropagated
+                # before the next (activations bounded by the budget); gradients sync after the last one.
+                part_rows = [t[part] for t in rows]
+                forwards = plan_forwards(model, *part_rows, **packing)
+                for index, forward in enumerate(forwards):
+                    last = index == len(forwards) - 1
+                    with contextlib.nullcontext() if last else gradients_kept_local(acc, model):
+                        logprobs = forward_logprobs(model, forward, *part_rows, temperature=temperature)
+                        out = policy_loss(
+                            logprobs,
+                            advantages[part],
+                            mask[part] * forward.rows.to(device).unsqueeze(1),
+                            old_logprobs=None if iteration == 0 else old_logprobs[part],
+                            ref_logprobs=None if ref_logprobs is None else ref_logprobs[part],
+                            importance_weights=sampler_weights.get(part.start) if correct else None,
+                            epsilon=cfg.epsilon,
+                            epsilon_high=cfg.epsilon_high,
+                            beta=cfg.beta,
+                            loss_type=cfg.loss_type,
+                            total_sequences=total_sequences,
+                            total_tokens=float(total_tokens),
+                            max_completion_length=cfg.max_completion_length,
+                            micro_batch_mask=mask[part],
+                        )
+                        # The loss is checked before backward: under DeepSpeed the optimizer steps inside it.
+                        finite = finite and math.isfinite(out.loss.item())
+                        acc.backward(out.loss * acc.gradient_accumulation_steps)
+                    loss += out.loss.item() / cfg.num_iterations
+                    tokens = out.num_tokens.item()
+                    sums += torch.tensor(
+                        [getattr(out, field).item() * tokens for field in LOSS_STATISTICS.values()] + [tokens]
+                    )
                 if acc.sync_gradients:
                     grad_norm = float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                     grad_norms.append(grad_norm)
@@ -214,11 +229,6 @@ def policy_update(
                         scheduler.step()
                     finite = True
                 optimizer.zero_grad(set_to_none=True)  # accelerate clears only after a sync
-            loss += out.loss.item() / cfg.num_iterations
-            tokens = out.num_tokens.item()
-            sums += torch.tensor(
-                [getattr(out, field).item() * tokens for field in LOSS_STATISTICS.values()] + [tokens]
-            )
     sums = synced_sum(acc, sums.to(device)).cpu()
     means = {name: float(sums[i] / max(float(sums[-1]), 1.0)) for i, name in enumerate(LOSS_STATISTICS)}
     # TRL's names: how far the sampler's log-probs are from the trainer's, over all processes
