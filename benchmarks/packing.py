@@ -149,22 +149,22 @@ def update_table(cases: dict, repeats: int, device: str) -> None:
         figures = update_figures(model, batch, config, repeats, device)
         (u_seconds, u_peak), (p_seconds, p_peak) = figures[False], figures[True]
         print(
-            f"| {name} | {len(batch)} | {work_tokens(batch, config, False)} / {work_tokens(batch, config, True)} "
+            f"| {name} | {len(batch)} | {work_tokens(model, batch, config, False)} / {work_tokens(model, batch, config, True)} "
             f"| {u_seconds:.3f} | {p_seconds:.3f} | {u_seconds / p_seconds:.2f}x | {u_peak:.0f} / {p_peak:.0f} |",
             flush=True,
         )
 
 
-def work_tokens(batch: Rollouts, config: TrainConfig, packing: bool) -> int:
+def work_tokens(model, batch: Rollouts, config: TrainConfig, packing: bool) -> int:
     """Tokens the update's forwards process per pass: padded rows, or packed rows (their padding included)."""
-    from pods.packing import pack
+    from pods.packing import hidden_size, pack
 
     total = 0
     for start in range(0, len(batch), config.micro_batch_size):
         part = batch.select(list(range(start, start + config.micro_batch_size)))
         if packing:
             rows = (part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask)
-            total += pack(*rows, token_budget=config.token_budget).input_ids.numel()
+            total += pack(*rows, config.token_budget, hidden_size(model)).input_ids.numel()
         else:
             total += part.prompt_ids.numel() + part.completion_ids.numel()
     return total

@@ -77,6 +77,33 @@ def test_a_long_group_splits_with_its_own_prompt_copy_and_small_groups_share_a_r
     assert pack(*padded([[1, 2]], [[3, 4, 5]]), token_budget=2).input_ids.tolist() == [[1, 2, 3, 4, 5]]
 
 
+def unit_sizes(packed) -> list[int]:
+    """Tokens of each unit (a prompt copy with its completions) of a packing."""
+    return [
+        int((row == block).sum()) for row in packed.block_ids for block in row.unique().tolist() if block >= 0
+    ]
+
+
+def test_completions_share_a_prompt_only_where_that_costs_less_than_apart() -> None:
+    """Under a dense mask a packed row costs attention over its whole length: a 2-token prompt shared by
+    completions of 12 tokens saves 1 token per completion but makes a row of 40. With a small hidden size
+    (attention weighs much) each completion gets a unit of its own, with a large one they share; for random
+    batches no unit ever costs more than its rows unpacked."""
+    from pods.packing import dense_cost
+
+    batch = padded([[1, 2]] * 3, [list(range(10, 22))] * 3)
+    assert unit_sizes(pack(*batch, hidden_size=2)) == [14, 14, 14]  # three units: the rows as they were
+    assert unit_sizes(pack(*batch, hidden_size=4096)) == [1 + 3 * 13]  # one unit: the prompt once
+    assert unit_sizes(pack(*batch)) == [1 + 3 * 13]  # without a model: tokens only
+    for seed in range(20):
+        batch = random_batch(seed=seed, prompts=4, kept=5, width=12)
+        rows = [(int(batch[1][b].sum()), int(batch[3][b].sum())) for b in range(batch[0].shape[0])]
+        for hidden in (1, 4, 16, 64):
+            packed = pack(*batch, token_budget=4096, hidden_size=hidden)
+            unpacked = sum(dense_cost(p + c, hidden) for p, c in rows if c)
+            assert sum(dense_cost(size, hidden) for size in unit_sizes(packed)) <= unpacked + 1e-9
+
+
 def test_forward_slices_stay_within_the_budget_and_score_every_completion_once() -> None:
     """Eight packed rows of 5 tokens (budget 5: every completion a unit of its own): a budget of 12 gives
     forwards of 2 rows (10 tokens), each scoring whole completions, together each completion token once; a

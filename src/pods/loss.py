@@ -25,6 +25,7 @@ from pods.packing import (
     Packing,
     attention_path,
     forward_slices,
+    hidden_size,
     model_mask,
     pack,
     packable,
@@ -220,9 +221,8 @@ def plan_forwards(
     everything = Forward(torch.ones(prompt_ids.shape[0], dtype=torch.bool), None)
     if completion_ids.shape[1] == 0 or not (packing and _packs(model, prompt_mask, completion_mask)):
         return [everything]
-    packed = pack(
-        prompt_ids.cpu(), prompt_mask.cpu(), completion_ids.cpu(), completion_mask.cpu(), token_budget
-    )
+    rows = (prompt_ids.cpu(), prompt_mask.cpu(), completion_ids.cpu(), completion_mask.cpu())
+    packed = pack(*rows, token_budget, hidden_size(model))
     return [Forward(piece.rows_scored(), piece) for piece in forward_slices(packed, token_budget)]
 
 

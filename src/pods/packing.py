@@ -31,8 +31,10 @@ __all__ = [
     "Packing",
     "attention_mask",
     "attention_path",
+    "dense_cost",
     "flex_block_mask",
     "forward_slices",
+    "hidden_size",
     "model_mask",
     "pack",
     "packable",
@@ -106,10 +108,21 @@ def packable(prompt_mask: Tensor, completion_mask: Tensor) -> bool:
     return _is_prefix_mask(prompt_mask.flip(1)) and _is_prefix_mask(completion_mask)
 
 
-def _units(prompts: list[list[int]], rows: list[int], lengths: list[int], token_budget: int):
+def dense_cost(tokens: int, hidden_size: int | None) -> float:
+    """Work of a forward over one row of ``tokens`` tokens, in token-layers of the linear layers: each token
+    costs about 12 h^2 multiply-adds there and, under a dense mask, 2 h T in attention (all T keys computed,
+    visible or not), so a row costs ``T (1 + T / 6h)``. Without ``hidden_size``: the linear part only."""
+    return tokens * (1.0 + tokens / (6.0 * hidden_size)) if hidden_size else float(tokens)
+
+
+def _units(
+    prompts: list[list[int]], rows: list[int], lengths: list[int], token_budget: int, hidden_size: int | None
+):
     """Split each prompt's rows into units of at most ``token_budget`` tokens (prompt included, and one
     token per completion); a unit holds at least one completion, so a single prompt + completion longer than
-    the budget stands alone."""
+    the budget stands alone. With ``hidden_size`` a completion also starts a unit of its own where joining
+    costs more than it saves (:func:`dense_cost`): a short prompt shared by long completions saves little,
+    while one long packed row costs attention over all of it, so no unit costs more than its rows unpacked."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for b in rows:
         groups.setdefault(tuple(prompts[b]), []).append(b)
@@ -118,7 +131,12 @@ def _units(prompts: list[list[int]], rows: list[int], lengths: list[int], token_
         unit: list[int] = []
         size = len(prompt) - 1
         for b in members:
-            if unit and size + lengths[b] + 1 > token_budget:
+            grown = size + lengths[b] + 1
+            alone = len(prompt) + lengths[b]  # the completion's own row, unpacked
+            worth = dense_cost(grown, hidden_size) <= dense_cost(size, hidden_size) + dense_cost(
+                alone, hidden_size
+            )
+            if unit and (grown > token_budget or not worth):
                 units.append((list(prompt), unit))
                 unit, size = [], len(prompt) - 1
             unit.append(b)
@@ -151,11 +169,13 @@ def pack(
     completion_ids: Tensor,
     completion_mask: Tensor,
     token_budget: int = DEFAULT_TOKEN_BUDGET,
+    hidden_size: int | None = None,
 ) -> Packing:
     """Pack left-padded prompts and right-padded completions ``[B, L]`` (CPU tensors) into shared-prefix rows.
 
     Rows with the same prompt tokens share one copy of it; rows without completion tokens are left out.
-    Needs at least one completion token and :func:`packable` masks.
+    With the model's ``hidden_size``, completions share a row only where that costs less than apart (see
+    :func:`_units`). Needs at least one completion token and :func:`packable` masks.
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}.")
@@ -168,7 +188,7 @@ def pack(
     if any(not prompts[b] for b in rows):
         raise ValueError("every row needs at least one prompt token: it predicts the first completion token.")
     completions = completion_ids.tolist()
-    units = _units(prompts, rows, lengths, token_budget)
+    units = _units(prompts, rows, lengths, token_budget, hidden_size)
     sizes = [len(prompt) - 1 + sum(lengths[b] + 1 for b in members) for prompt, members in units]
     layout = _first_fit(sizes)
     length = max(sum(sizes[i] for i in row) for row in layout)
@@ -252,6 +272,13 @@ def attention_implementation(model: torch.nn.Module) -> str | None:
     """The attention implementation transformers runs ``model`` with (None for a model without a config)."""
     config = getattr(_base_model(model), "config", None)
     return getattr(config, "_attn_implementation", None) if config is not None else None
+
+
+def hidden_size(model: torch.nn.Module) -> int | None:
+    """The model's hidden size, for :func:`pack`'s cost rule (None where the config has none)."""
+    config = getattr(_base_model(model), "config", None)
+    size = getattr(config, "hidden_size", None)
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def packing_blocker(model: torch.nn.Module) -> str | None:

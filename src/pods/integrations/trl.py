@@ -52,7 +52,7 @@ from pods.config import (
 from pods.data.stream import refill_order
 from pods.errors import ConfigError, PromptFilterExhausted
 from pods.metrics import reward_metrics
-from pods.packing import DEFAULT_TOKEN_BUDGET, model_mask, pack, packable, packing_blocker
+from pods.packing import DEFAULT_TOKEN_BUDGET, hidden_size, model_mask, pack, packable, packing_blocker
 from pods.prompt_filter import PassShare, exhausted_message, fill_groups, next_round_size, passing_groups
 from pods.prompt_skip import (
     GresoSettings,
@@ -830,7 +830,7 @@ def fused_packed_logps(model: Any, rows: list[torch.Tensor], token_budget: int) 
     batch, width = rows[2].shape
     if not bool(rows[3].any()):  # a chunk of rows that weigh nothing
         return torch.zeros(batch, width, device=rows[2].device)
-    packed = pack(*(t.cpu() for t in rows), token_budget=token_budget)
+    packed = pack(*(t.cpu() for t in rows), token_budget=token_budget, hidden_size=hidden_size(model))
     device = rows[2].device
     out = model(
         input_ids=packed.input_ids.to(device),
