@@ -12,6 +12,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The processes tests start (pods train, accelerate launch, servers' clients) run tiny models: one torch thread
+# each, as the test processes themselves (below). Two threads per process, with the other pytest worker
+# holding a core, slow each other 1.4-3x (docs/async.md).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # DeepSpeed compiles a C++ op the first time a process starts it on the CPU (minutes on 2 busy cores), into
 # TORCH_EXTENSIONS_DIR: ~/.cache by default, where another environment's DeepSpeed rebuilds it over ours, and

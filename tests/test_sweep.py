@@ -250,7 +250,7 @@ def test_sweep_writes_everything_and_reuses_finished_runs(tiny_sweep_config: Pat
 def test_an_interrupted_sweep_continues_where_it_stopped(tiny_sweep_config: Path, tmp_path: Path) -> None:
     output = tmp_path / "sweep"
     args = ["sweep", "--config", str(tiny_sweep_config), "--arm", "a:num_generations=2", "--arm",
-            "b:num_generations=4", "--seeds", "0", "--output_dir", str(output), "--max_steps", "40",
+            "b:num_generations=4", "--seeds", "0", "--output_dir", str(output), "--max_steps", "16",
             "--save_every_steps", "1", "--eval_every_seconds", "null", "--eval_at_seconds", "[]"]  # fmt: skip
     process = subprocess.Popen(
         [sys.executable, "-m", "pods", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -279,7 +279,7 @@ def test_an_interrupted_sweep_continues_where_it_stopped(tiny_sweep_config: Path
     assert result.returncode == 0, result.stderr[-3000:]
     assert "a, seed 0: already finished, reused" in result.stdout and "(resuming)" in result.stdout
     steps = [row["step"] for row in map(json.loads, (output / "b" / "seed0" / "metrics.jsonl").open())]
-    assert steps == list(range(1, 41))  # resumed: no step repeated, none missing
+    assert steps == list(range(1, 17))  # resumed: no step repeated, none missing
     assert set(json.loads((output / "summary.json").read_text())["arms"]) == {"a", "b"}
 
 
