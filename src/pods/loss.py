@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,6 +41,7 @@ __all__ = [
     "forward_logprobs",
     "mean_abs_difference",
     "plan_forwards",
+    "planned_logprobs",
     "policy_loss",
     "selected_token_logprobs",
     "truncated_importance_weights",
@@ -307,8 +309,24 @@ def completion_logprobs(
     caller's backward: :func:`pods.update.policy_update` backpropagates forward by forward instead.)
     """
     rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
-    scoring = {"temperature": temperature, "chunk_size": chunk_size, "top_k": top_k, "top_p": top_p}
     forwards = plan_forwards(model, *rows, packing=packing, token_budget=token_budget)
+    return planned_logprobs(
+        model, forwards, *rows, temperature=temperature, chunk_size=chunk_size, top_k=top_k, top_p=top_p
+    )
+
+
+def planned_logprobs(
+    model: torch.nn.Module,
+    forwards: list[Forward],
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    **scoring: Any,
+) -> Tensor:
+    """:func:`completion_logprobs` over forwards already planned (:func:`plan_forwards`): a caller scoring
+    the same rows several times (old, reference, training log-probs) packs them once."""
+    rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
     parts = [forward_logprobs(model, forward, *rows, **scoring) for forward in forwards]
     # packed forwards score disjoint tokens and leave 0 everywhere else
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum(dim=0)

@@ -3,10 +3,11 @@ and the kept batch (testable without a trainer).
 
 The rows are split into micro-batches of ``micro_batch_size``, accumulated into one optimizer step per pass,
 ``num_iterations`` passes; packed (``packing``), a micro-batch runs as forwards of at most ``token_budget``
-tokens, each backpropagated before the next, so that memory is bounded by the budget. Old and reference log-probs come from evaluation-mode forwards (no dropout); the
-sampler's log-probs, when the engine reports them (vLLM), are compared with the old ones: truncated importance
-weights correct the sampler/trainer mismatch, and the mismatch is logged. A NaN/inf loss or gradient norm
-skips the optimizer step (:class:`NonFiniteGuard`).
+tokens, each backpropagated before the next, so that memory is bounded by the budget. Old and reference
+log-probs come from evaluation-mode forwards (no dropout); the sampler's log-probs, when the engine reports
+them (vLLM), are compared with the old ones: truncated importance weights correct the sampler/trainer
+mismatch, and the mismatch is logged. A NaN/inf loss or gradient norm skips the optimizer step
+(:class:`NonFiniteGuard`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from pods.config import TrainConfig
 from pods.distributed import gradients_kept_local, step_was_applied, synced_any, synced_max, synced_sum
 from pods.errors import NonFiniteError
 from pods.loss import (
-    completion_logprobs,
     forward_logprobs,
     mean_abs_difference,
     plan_forwards,
+    planned_logprobs,
     policy_loss,
     truncated_importance_weights,
 )
@@ -125,13 +126,20 @@ def policy_update(
     total_sequences = float(synced_sum(acc, weighs.sum().double()) / acc.num_processes)
 
     rows = (prompt_ids, prompt_mask, completion_ids, mask)
-    packing = {"packing": cfg.packing, "token_budget": cfg.token_budget}
+    parts = split_evenly(completion_ids.shape[0], num_parts)
+    # Each micro-batch's forwards (packed: forwards of at most token_budget tokens), planned once for every
+    # pass and for the old and reference log-probs (the reference shares the policy's architecture).
+    plans = {
+        part.start: plan_forwards(
+            model, *[t[part] for t in rows], packing=cfg.packing, token_budget=cfg.token_budget
+        )
+        for part in parts
+    }
 
     def logprobs_of(net: torch.nn.Module, part: slice, **truncation: Any) -> torch.Tensor:
         part_rows = [t[part] for t in rows]
-        return completion_logprobs(net, *part_rows, temperature=temperature, **packing, **truncation)
+        return planned_logprobs(net, plans[part.start], *part_rows, temperature=temperature, **truncation)
 
-    parts = split_evenly(completion_ids.shape[0], num_parts)
     sampling_logprobs = batch.sampling_logprobs
     correct = cfg.vllm_importance_sampling_correction and sampling_logprobs is not None
     # Old and reference log-probs: always in evaluation mode (no dropout), at every step. The first pass
@@ -185,7 +193,7 @@ def policy_update(
                 # Packed, a micro-batch runs as forwards of at most token_budget tokens, each backpropagated
                 # before the next (activations bounded by the budget); gradients sync after the last one.
                 part_rows = [t[part] for t in rows]
-                forwards = plan_forwards(model, *part_rows, **packing)
+                forwards = plans[part.start]
                 for index, forward in enumerate(forwards):
                     last = index == len(forwards) - 1
                     with contextlib.nullcontext() if last else gradients_kept_local(acc, model):
