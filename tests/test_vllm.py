@@ -396,27 +396,33 @@ def test_two_processes_each_run_an_engine_in_sync_with_the_shared_weights(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_a_zero3_partitioned_model_is_gathered_into_the_engine(tiny_vllm_model_dir: Path, lora: bool) -> None:
-    """DeepSpeed ZeRO-3 on the CPU (one process): every parameter is an empty local shard; after an AdamW
-    step, sync_weights gathers each layer in turn (with LoRA: its base and adapter matrices together) and
-    the engine's greedy completions equal HF generate's on the full updated weights."""
+def test_a_zero3_partitioned_model_is_gathered_into_the_engine(tiny_vllm_model_dir: Path) -> None:
+    """DeepSpeed ZeRO-3 on the CPU (one process), full fine-tuning then LoRA: every parameter is an empty local
+    shard; after an AdamW step, sync_weights gathers each layer in turn (with LoRA: its base and adapter matrices
+    together) and the engine's greedy completions equal HF generate's on the full updated weights."""
     pytest.importorskip("deepspeed")
+    from peft import LoraConfig, get_peft_model
+
     script = Path(__file__).parent / "scripts" / "zero3_vllm.py"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     result = subprocess.run(
-        [sys.executable, str(script), str(tiny_vllm_model_dir), *(["--lora"] if lora else [])],
+        [sys.executable, str(script), str(tiny_vllm_model_dir), "full", "lora"],
         capture_output=True,
         text=True,
         timeout=600,
         env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.split(" ")[0].isupper())
+    lines = {
+        tuple(line.split(" ")[:2]): line.split(" ", 2)[2]
+        for line in result.stdout.splitlines()
+        if line.split(" ")[0] in ("full", "lora")
+    }
     model = AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir)
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-    assert lines["PARTITIONED"] == str(len(list(model.parameters())))
-    assert lines["CHANGED"] == "True" and lines["SAME"] == "True"
+    lora = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_vllm_model_dir),
+        LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+    )
+    for case, parameters in (("full", model.parameters()), ("lora", lora.parameters())):
+        assert lines[case, "PARTITIONED"] == str(len(list(parameters))), case
+        assert lines[case, "CHANGED"] == "True" and lines[case, "SAME"] == "True", case

@@ -1,12 +1,13 @@
 """A DeepSpeed ZeRO-3 model's weights pushed into the vLLM engine, one gathered layer at a time, in one
 CPU process; used by tests/test_vllm.py as a subprocess (DeepSpeed and vLLM keep process-wide state).
 
-    python tests/scripts/zero3_vllm.py MODEL_DIR [--lora]
+    python tests/scripts/zero3_vllm.py MODEL_DIR [full] [lora]
 
-With ``--lora`` the model is a peft LoRA model (base frozen, adapters trained), partitioned like the rest.
-Prints ``PARTITIONED <n>`` (parameters whose local tensor is an empty shard), ``CHANGED <bool>`` (the AdamW
-step moved the trained weights away from their start) and ``SAME <bool>`` (the engine's greedy completions
-equal HF ``generate``'s on the full, unpartitioned model after that step).
+Each case in turn, in this one process (one start-up for both): ``full`` fine-tunes the whole model, ``lora``
+a peft LoRA model (base frozen, adapters trained), partitioned like the rest. Prints, per case,
+``<case> PARTITIONED <n>`` (parameters whose local tensor is an empty shard), ``<case> CHANGED <bool>`` (the
+AdamW step moved the trained weights away from their start) and ``<case> SAME <bool>`` (the engine's greedy
+completions equal HF ``generate``'s on the full, unpartitioned model after that step).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 
 def main() -> None:
-    model_dir, lora = sys.argv[1], "--lora" in sys.argv[2:]
+    model_dir, cases = sys.argv[1], sys.argv[2:] or ["full"]
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -27,16 +28,25 @@ def main() -> None:
         RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     import deepspeed
-    from transformers import AutoModelForCausalLM
 
-    from pods.distributed import close_process_group
-    from pods.models import load_tokenizer
-    from pods.rollout import HFGenerateEngine, SamplingParams
-    from pods.rollout.vllm import VLLMEngine
     from pods.testing import use_torch_collectives_under_deepspeed
 
     use_torch_collectives_under_deepspeed()
-    deepspeed.init_distributed(dist_backend="gloo")
+    for case in cases:
+        deepspeed.init_distributed(dist_backend="gloo")
+        run_case(model_dir, lora=case == "lora", case=case)  # closing its vLLM engine ends the process group
+        # DeepSpeed still caches groups on it; forget them (no public call does) so the next case starts anew
+        deepspeed.utils.groups._release_process_group_references()
+
+
+def run_case(model_dir: str, *, lora: bool, case: str) -> None:
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from pods.models import load_tokenizer
+    from pods.rollout import HFGenerateEngine, SamplingParams
+    from pods.rollout.vllm import VLLMEngine
+
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -63,7 +73,7 @@ def main() -> None:
     engine.backward(loss)
     engine.step()  # the weights now differ from the checkpoint's
     partitioned = sum(p.numel() == 0 for p in engine.module.parameters())
-    print(f"PARTITIONED {partitioned}", flush=True)
+    print(f"{case} PARTITIONED {partitioned}", flush=True)
 
     vllm_engine = VLLMEngine(engine.module, tokenizer, kv_cache_gb=0.05)
     prompts = ["Tom has 5 apples.", "A box holds 7 pens.", "Mia has 12 cards."]
@@ -75,12 +85,10 @@ def main() -> None:
     full.load_state_dict(weights)
     reference = HFGenerateEngine(full.eval(), tokenizer).generate(prompts, 1, greedy)
     changed = any(not torch.equal(weights[k], start[k]) for k in start)
-    print(f"CHANGED {changed}", flush=True)
-    print(
-        f"SAME {sampled.texts == reference.texts and torch.equal(sampled.completion_ids, reference.completion_ids)}"
-    )
+    print(f"{case} CHANGED {changed}", flush=True)
+    same = sampled.texts == reference.texts and torch.equal(sampled.completion_ids, reference.completion_ids)
+    print(f"{case} SAME {same}", flush=True)
     vllm_engine.close()
-    close_process_group()
 
 
 if __name__ == "__main__":

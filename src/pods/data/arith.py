@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,27 +208,33 @@ def generate_problems(
     num_problems: int, *, seed: int = 0, spec: ArithSpec = ArithSpec(), split: str | None = None
 ) -> list[Problem]:
     """``num_problems`` distinct problems, deterministic by ``seed``, all from ``split`` when given."""
-    if split not in (None, "train", "test"):
-        raise ValueError(f"split must be 'train', 'test' or None, got {split!r}")
     if num_problems < 0:
         raise ValueError(f"num_problems must be >= 0, got {num_problems}")
+    return list(iter_problems(num_problems, seed=seed, spec=spec, split=split))
+
+
+def iter_problems(
+    num_problems: int, *, seed: int = 0, spec: ArithSpec = ArithSpec(), split: str | None = None
+) -> Iterator[Problem]:
+    """:func:`generate_problems` one at a time: the first k of them are the same for any ``num_problems >= k``,
+    so a reader that needs only k rows stops there."""
+    if split not in (None, "train", "test"):
+        raise ValueError(f"split must be 'train', 'test' or None, got {split!r}")
     rng = random.Random(f"arith-{seed}-{split}")
     seen: set[str] = set()
-    problems: list[Problem] = []
     attempts, max_attempts = 0, 50 * num_problems + 1000
-    while len(problems) < num_problems:
+    while len(seen) < num_problems:
         attempts += 1
         if attempts > max_attempts:
             raise ValueError(
-                f"could only find {len(problems)} distinct problems of {num_problems} for {spec}; "
+                f"could only find {len(seen)} distinct problems of {num_problems} for {spec}; "
                 "ask for fewer or raise the difficulty"
             )
         problem = generate_problem(rng, spec)
         if problem.question in seen or (split is not None and split_of(problem.question) != split):
             continue
         seen.add(problem.question)
-        problems.append(problem)
-    return problems
+        yield problem
 
 
 def supervised_pairs(
@@ -263,25 +269,28 @@ def supervised_pairs(
 
 def read_arith(
     split: str = "train", *, seed: int = 0, num_problems: int | None = None, difficulty: int | None = None
-) -> list[dict[str, Any]]:
-    """Rows of the ``arith`` task: question, answer (str), solution (gold, GSM8K form) and has_gives
-    (whether the misconception step occurs). ``num_problems`` defaults to 20,000 (train) / 1,000 (test)."""
+) -> Iterator[dict[str, Any]]:
+    """Rows of the ``arith`` task, generated as they are read: question, answer (str), solution (gold, GSM8K
+    form) and has_gives (whether the misconception step occurs). ``num_problems`` defaults to 20,000 (train) /
+    1,000 (test)."""
     return _rows(split, spec_for_difficulty(1 if difficulty is None else difficulty), seed, num_problems)
 
 
 def read_arith_hard(
     split: str = "train", *, seed: int = 0, num_problems: int | None = None
-) -> list[dict[str, Any]]:
+) -> Iterator[dict[str, Any]]:
     """Rows of the ``arith-hard`` task (:data:`HARD_SPEC`), with the columns of :func:`read_arith` plus
     traps (how many steps have a misconception)."""
     return _rows(split, HARD_SPEC, seed, num_problems)
 
 
-def _rows(split: str, spec: ArithSpec, seed: int, num_problems: int | None) -> list[dict[str, Any]]:
+def _rows(split: str, spec: ArithSpec, seed: int, num_problems: int | None) -> Iterator[dict[str, Any]]:
     if split not in DEFAULT_SIZES:
         raise ValueError(f"split must be 'train' or 'test' for the arith tasks, got {split!r}")
     count = num_problems if num_problems is not None else DEFAULT_SIZES[split]
-    return [
+    if count < 0:
+        raise ValueError(f"num_problems must be >= 0, got {count}")
+    return (
         {
             "question": problem.question,
             "answer": str(problem.answer),
@@ -289,8 +298,8 @@ def _rows(split: str, spec: ArithSpec, seed: int, num_problems: int | None) -> l
             "has_gives": problem.has_gives,
             "traps": problem.traps,
         }
-        for problem in generate_problems(count, seed=seed, spec=spec, split=split)
-    ]
+        for problem in iter_problems(count, seed=seed, spec=spec, split=split)
+    )
 
 
 def load_arith(split: str = "train", **options: Any):

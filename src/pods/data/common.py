@@ -3,6 +3,7 @@ errors that name the file and line (or the hub row) and say how to fix the probl
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -166,7 +167,7 @@ def load_records(
 
 
 def finish_rows(
-    rows: list[dict[str, Any]],
+    rows: Iterable[dict[str, Any]],
     *,
     prompt_style: str = "chat",
     tokenizer: Any = None,
@@ -179,20 +180,24 @@ def finish_rows(
     keep: Callable[[dict[str, Any]], bool] | None = None,
 ) -> Any:
     """Add the ``prompt`` column, optionally shuffle (by ``seed``), drop prompts over
-    ``max_prompt_tokens`` tokens, keep the first ``limit`` rows; return a ``datasets.Dataset``."""
+    ``max_prompt_tokens`` tokens, keep the first ``limit`` rows; return a ``datasets.Dataset``.
+
+    ``rows`` may be lazy (a generator): without ``shuffle`` only the rows a ``limit`` needs are drawn."""
     import datasets
 
     if limit is not None and limit < 0:
         raise TaskDataError(f"limit must be a non-negative number of rows or None, got {limit}.")
     if max_prompt_tokens is not None and tokenizer is None:
         raise TaskDataError("max_prompt_tokens needs a tokenizer to count prompt tokens; pass tokenizer=...")
+    rows = iter(rows)
     if shuffle:
         rows = list(rows)
         random.Random(seed).shuffle(rows)
+        rows = iter(rows)
     if keep is not None:
-        rows = [row for row in rows if keep(row)]
+        rows = (row for row in rows if keep(row))
     if max_prompt_tokens is None and limit is not None:
-        rows = rows[:limit]
+        rows = itertools.islice(rows, limit)
 
     def with_prompts(chunk: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for row in chunk:
@@ -202,14 +207,13 @@ def finish_rows(
         return chunk
 
     if tokenizer is None or max_prompt_tokens is None:
-        rows = with_prompts(rows)
+        rows = with_prompts(list(rows))
         if tokenizer is not None and rows:
             render_prompt(rows[0]["prompt"], tokenizer)  # fail early on a tokenizer without chat template
-    else:  # in chunks, so that a limit stops tokenizing once it has its rows
+    else:  # in chunks, so that a limit stops drawing and tokenizing rows once it has its rows
         kept: list[dict[str, Any]] = []
         chunk_size = max(2 * (limit or 0), 1024)
-        for start in range(0, len(rows), chunk_size):
-            chunk = with_prompts(rows[start : start + chunk_size])
+        while chunk := with_prompts(list(itertools.islice(rows, chunk_size))):
             texts = [render_prompt(row["prompt"], tokenizer) for row in chunk]
             lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
             kept += [row for row, n in zip(chunk, lengths, strict=True) if n <= max_prompt_tokens]

@@ -14,7 +14,8 @@ __all__ = ["Task"]
 
 Reader = Callable[..., Any]
 """``read(split, *, source=None, seed=0, **options) -> rows``: dicts with at least ``question`` and
-``answer`` (a list, or a ``datasets.Dataset``); ``source`` and ``seed`` are passed only if accepted."""
+``answer`` (a list, a ``datasets.Dataset`` or a generator, read only as far as a ``limit`` needs);
+``source`` and ``seed`` are passed only if accepted."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Task:
             options["source"] = source
         if "seed" in parameters or takes_any:
             options["seed"] = seed
-        rows = [dict(row) for row in self.read(split, **options)]
+        rows = (dict(row) for row in self.read(split, **options))  # drawn lazily: a limit stops the reader
         style = prompt_style or self.prompt_style
         return finish_rows(
             rows,
