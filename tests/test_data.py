@@ -189,6 +189,29 @@ def test_register_task_adds_a_loader() -> None:
         register_task("broken", "not a function")  # type: ignore[arg-type]
 
 
+def test_a_limit_draws_only_the_rows_it_keeps_from_a_lazy_reader() -> None:
+    """A reader may yield rows as it makes them (the arith tasks do): a limit stops it, without the length filter
+    after exactly ``limit`` rows, with it after the chunk that fills the limit; shuffling reads them all."""
+    from pods.data.task import Task
+    from pods.testing import build_tiny_tokenizer
+
+    drawn = []
+
+    def counting(split: str = "train", **options):
+        for i in range(10_000):
+            drawn.append(i)
+            yield {"question": f"What is {i} + 1?", "answer": str(i + 1)}
+
+    task = Task("counting", counting)
+    rows = task.load("train", limit=5)
+    assert rows["answer"] == ["1", "2", "3", "4", "5"] and len(drawn) == 5
+    drawn.clear()
+    rows = task.load("train", limit=5, tokenizer=build_tiny_tokenizer(), max_prompt_tokens=512)
+    assert rows["answer"] == ["1", "2", "3", "4", "5"] and len(drawn) == 1024  # one chunk
+    drawn.clear()
+    assert len(task.load("train", limit=5, shuffle=True)) == 5 and len(drawn) == 10_000
+
+
 # ---------------------------------------------------------------- errors
 
 
