@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -28,7 +29,12 @@ from transformers import AutoModelForCausalLM
 from pods.loss import completion_logprobs
 from pods.rollout import HFGenerateEngine, SamplingParams
 from pods.rollout.vllm import vllm_unavailable_reason
-from pods.rollout.vllm_server import VLLMServerEngine, VLLMServerError, serve_command
+from pods.rollout.vllm_server import (
+    SERVER_ENVIRONMENT_ON_CPU,
+    VLLMServerEngine,
+    VLLMServerError,
+    serve_command,
+)
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from test_trainer import two_process_launch
@@ -124,6 +130,9 @@ def test_a_server_pods_starts_samples_the_policy_and_takes_new_weights(
     engine = VLLMServerEngine(model, tokenizer, kv_cache_gb=0.25, timeout=300, log_file=str(log))
     pid = engine.process.pid
     try:
+        # the model runs in vLLM's engine core process (the uni executor on the CPU), no worker process beside it
+        names = [child.name() for child in psutil.Process(pid).children(recursive=True)]
+        assert "VLLM::EngineCore" in names and "VLLM::Worker" not in names, names
         many = [f"{PROMPTS[0]} {PROMPTS[1]} Then {i} more." for i in range(16)]
         hot = SamplingParams(max_new_tokens=8, temperature=1.0)
         torch.manual_seed(3)
@@ -202,7 +211,7 @@ def test_a_server_given_by_url_that_restarts_gets_the_weights_again(
         gpu_memory_utilization=0.9, kv_cache_gb=0.25,
     )  # fmt: skip
     assert "--enable-prefix-caching" in command
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **SERVER_ENVIRONMENT_ON_CPU}
 
     def start() -> subprocess.Popen:
         return subprocess.Popen(
