@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="3 steps of the first case, quiet only, HF generate (no vLLM start-up)",
+        help="3 steps of the first case, quiet only, HF generate (no vLLM start-up), 64 training rows",
     )
     args = parser.parse_args()
     steps = 3 if args.smoke else args.steps
@@ -79,7 +79,7 @@ def main() -> None:
     extra = {
         "num_generations": args.num_generations,
         "selection_rule": "all" if args.num_generations == 4 else "max_variance",
-        **({"rollout_engine": "hf"} if args.smoke else {}),
+        **({"rollout_engine": "hf", "train_limit": 64} if args.smoke else {}),  # 64 rows: no 20,000 to load
     }
     if args.num_generations == 4:
         extra["num_generations_kept"] = 4
