@@ -390,9 +390,8 @@ def test_a_non_finite_step_under_deepspeed_zero2_is_skipped(tiny_model_dir: Path
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "distributed: DEEPSPEED" in result.stdout
-    one_step, _ = run_tiny(
-        tiny_model_dir, tmp_path / "plain", **{**settings, "max_steps": 1}
-    )  # in this process
+    # the reference: one plain step in this process, without DeepSpeed
+    one_step, _ = run_tiny(tiny_model_dir, tmp_path / "plain", **{**settings, "max_steps": 1})
     guarded = torch.load(tmp_path / "zero2" / "weights-rank0.pt")
     reference = one_step.accelerator.unwrap_model(one_step.model).state_dict()
     for key, value in reference.items():

@@ -208,18 +208,22 @@ def generate_problems(
     num_problems: int, *, seed: int = 0, spec: ArithSpec = ArithSpec(), split: str | None = None
 ) -> list[Problem]:
     """``num_problems`` distinct problems, deterministic by ``seed``, all from ``split`` when given."""
-    if num_problems < 0:
-        raise ValueError(f"num_problems must be >= 0, got {num_problems}")
     return list(iter_problems(num_problems, seed=seed, spec=spec, split=split))
 
 
 def iter_problems(
     num_problems: int, *, seed: int = 0, spec: ArithSpec = ArithSpec(), split: str | None = None
 ) -> Iterator[Problem]:
-    """:func:`generate_problems` one at a time: the first k of them are the same for any ``num_problems >= k``,
-    so a reader that needs only k rows stops there."""
+    """:func:`generate_problems` one at a time (arguments checked at the call): the first k of them are the same
+    for any ``num_problems >= k``, so a reader that needs only k rows stops there."""
     if split not in (None, "train", "test"):
         raise ValueError(f"split must be 'train', 'test' or None, got {split!r}")
+    if num_problems < 0:
+        raise ValueError(f"num_problems must be >= 0, got {num_problems}")
+    return _problems(num_problems, seed, spec, split)
+
+
+def _problems(num_problems: int, seed: int, spec: ArithSpec, split: str | None) -> Iterator[Problem]:
     rng = random.Random(f"arith-{seed}-{split}")
     seen: set[str] = set()
     attempts, max_attempts = 0, 50 * num_problems + 1000
@@ -288,8 +292,7 @@ def _rows(split: str, spec: ArithSpec, seed: int, num_problems: int | None) -> I
     if split not in DEFAULT_SIZES:
         raise ValueError(f"split must be 'train' or 'test' for the arith tasks, got {split!r}")
     count = num_problems if num_problems is not None else DEFAULT_SIZES[split]
-    if count < 0:
-        raise ValueError(f"num_problems must be >= 0, got {count}")
+    problems = iter_problems(count, seed=seed, spec=spec, split=split)
     return (
         {
             "question": problem.question,
@@ -298,7 +301,7 @@ def _rows(split: str, spec: ArithSpec, seed: int, num_problems: int | None) -> I
             "has_gives": problem.has_gives,
             "traps": problem.traps,
         }
-        for problem in iter_problems(count, seed=seed, spec=spec, split=split)
+        for problem in problems
     )
 
 

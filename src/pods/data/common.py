@@ -189,11 +189,10 @@ def finish_rows(
         raise TaskDataError(f"limit must be a non-negative number of rows or None, got {limit}.")
     if max_prompt_tokens is not None and tokenizer is None:
         raise TaskDataError("max_prompt_tokens needs a tokenizer to count prompt tokens; pass tokenizer=...")
-    rows = iter(rows)
     if shuffle:
         rows = list(rows)
         random.Random(seed).shuffle(rows)
-        rows = iter(rows)
+    rows = iter(rows)
     if keep is not None:
         rows = (row for row in rows if keep(row))
     if max_prompt_tokens is None and limit is not None:

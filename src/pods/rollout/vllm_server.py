@@ -212,8 +212,8 @@ class VLLMServerEngine:
             environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
             if not self.on_gpu:
                 environment |= SERVER_ENVIRONMENT_ON_CPU
-            if cores:  # the server inherits this process's affinity (those cores); one torch thread per core
-                environment["OMP_NUM_THREADS"] = str(len(cores))
+                if cores:  # it inherits this process's affinity (those cores): one torch thread per core
+                    environment["OMP_NUM_THREADS"] = str(len(cores))
             # the server's log: in the run folder (kept after the run), else beside its files
             self.log_file = log_file or os.path.join(self._folder, "server.log")
             self._log = open(self.log_file, "w")  # noqa: SIM115 - the server's lifetime
