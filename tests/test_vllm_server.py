@@ -334,6 +334,9 @@ def test_a_server_killed_mid_request_ends_pods_train_with_its_cause_and_a_checkp
     monkeypatch.setenv(faults.FAULT_ENV, "server_generating@2")
     faults.reset()
     settings = {"rollout_engine": "vllm", "vllm_mode": "server", "vllm_cpu_kv_cache_gb": 0.25}
+    # a request long enough that the fault's watcher (polling the server's metrics) sees it running before it
+    # ends: with 8 completions of 8 tokens it could end first (2 failures in ~10 parallel runs, unconfirmed cause)
+    settings |= {"num_generations": 16, "max_completion_length": 48}
     before = children()
     code = main(
         arguments(tiny_vllm_model_dir, output, async_generation=str(asynchronous).lower(), **settings)
