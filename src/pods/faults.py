@@ -31,7 +31,7 @@ POINTS = {
     "trainer_publishing": "the trainer, between copying the weights for the worker and saying so",
     "trainer_checkpointing": "the trainer, writing a checkpoint",
     "trainer_final_evaluation": "the trainer, in the evaluation after the last step",
-    "server_generating": "a vLLM server pods started, while it answers a generation request",
+    "server_generating": "a vLLM server pods started, while a generation request waits for its answer",
 }
 _reached: dict[str, int] = {}  # times each armed point was reached in this process
 

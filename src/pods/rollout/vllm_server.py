@@ -24,6 +24,7 @@ drawn from torch's generator, which the trainer seeds per step and process: samp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -70,6 +71,7 @@ __all__ = [
 
 SERVED_NAME = "pods-policy"
 RETRY_SECONDS = 1.0
+KILL_MID_REQUEST_DELAY = 0.5  # fault injection: seconds a frozen server holds a request before it is killed
 
 
 @dataclass(frozen=True)
@@ -389,7 +391,7 @@ class VLLMServerEngine:
 
             def ask() -> None:
                 nonlocal answer
-                fault_point("server_generating", kill=self._kill_when_busy)
+                fault_point("server_generating", kill=self._kill_mid_request)
                 answer = self._post("/v1/completions", body)
 
             if not self._agree(self._error_of(ask), self.stale):
@@ -418,25 +420,23 @@ class VLLMServerEngine:
         (then all of them push and ask again)."""
         return any(raise_any_failure(self._every_process, error, VLLMServerError, stale))
 
-    def _kill_when_busy(self) -> None:
-        """Fault injection: SIGKILL the server pods started as soon as its metrics show a request running."""
+    def _kill_mid_request(self) -> None:
+        """Fault injection: freeze the server pods started (SIGSTOP to its group) just before a request, and
+        SIGKILL it a moment later, while the request waits for its answer. No race with the request's end: a
+        frozen server cannot answer it first (watching the server's metrics for a running request could miss
+        a short one)."""
         import threading
 
-        def watch() -> None:
-            while self.process is not None and self.process.poll() is None:
-                try:
-                    with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=5) as response:
-                        running = re.search(
-                            r"^vllm:num_requests_running\{[^}]*\} (\S+)", response.read().decode(), re.M
-                        )
-                except OSError:
-                    running = None
-                if running and float(running.group(1)) > 0:
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                    return
-                time.sleep(0.01)
+        if self.process is None:
+            return
+        group = self.process.pid
 
-        threading.Thread(target=watch, daemon=True).start()
+        def kill() -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+
+        os.killpg(group, signal.SIGSTOP)
+        threading.Timer(KILL_MID_REQUEST_DELAY, kill).start()
 
     def round_multiple(self, num_generations: int) -> int:
         from pods.rollout.vllm import VLLM_MAX_NUM_SEQS
