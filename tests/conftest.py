@@ -60,6 +60,29 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Stop at once where ``--dist loadgroup`` cannot group: pytest-xdist appends a test's ``xdist_group`` to
+    its node id, which pytest 9.2 no longer reads (pytest-xdist issue 1386). Each worker would then start the
+    expensive fixture a group shares (tests/test_vllm.py's engine) for itself."""
+    if config.getvalue("dist") != "loadgroup" or hasattr(config, "workerinput"):
+        return
+
+    class Probe(pytest.Item):
+        def runtest(self) -> None: ...
+
+    probe = object.__new__(Probe)  # what xdist does to each grouped test on a worker
+    probe._nodeid = "test@group"
+    try:
+        grouped = probe.nodeid == "test@group"
+    except AttributeError:
+        grouped = False
+    if not grouped:
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} ignores the xdist_group marks under --dist loadgroup: install the "
+            "versions pyproject.toml's test extra pins (pip install -e '.[dev]')"
+        )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Slow tests first (stable order otherwise): the two xdist workers then finish on short tests together,
     instead of one waiting alone for a minute-long test handed out last."""

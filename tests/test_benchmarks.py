@@ -7,13 +7,10 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.xdist_group("benchmarks")  # one worker starts all the smoke runs (smoke_runs)
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py"))
 FIGURES = {  # a line of figures each script prints at --smoke size
@@ -43,22 +40,6 @@ def smoke_run(script: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def smoke_runs(shared_data: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, Future]]:
-    """The ``--smoke`` runs of the scripts this session tests, started at once and run two at a time: each is
-    one process on one thread, and the tests of this module only wait for them."""
-    selected = [
-        item.callspec.params["script"]
-        for item in request.session.items
-        if item.originalname == "test_a_benchmark_runs_at_its_smallest_size"
-    ]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {script: pool.submit(smoke_run, script) for script in selected if not _skip_reason(script)}
-        yield futures
-        for future in futures.values():
-            future.cancel()
-
-
 def _skip_reason(script: str) -> str | None:
     if script == "rollout_engines.py":
         from pods.rollout.vllm import vllm_unavailable_reason
@@ -74,9 +55,9 @@ def test_every_benchmark_is_checked() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_benchmark_runs_at_its_smallest_size(script: str, smoke_runs: dict[str, Future]) -> None:
+def test_a_benchmark_runs_at_its_smallest_size(script: str, shared_data: Path) -> None:
     if _skip_reason(script):
         pytest.skip(_skip_reason(script))
-    result = smoke_runs[script].result()
+    result = smoke_run(script)
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(FIGURES.get(script, "no figures line given"), result.stdout, re.MULTILINE), result.stdout
