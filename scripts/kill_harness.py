@@ -7,6 +7,8 @@ tests reach each moment through fault points instead).
 
 Each run: `pods train --config CONFIG --async_generation true --max_time 60 --save_every_steps 5`, its worker
 SIGKILLed at a uniformly random time between EARLIEST and LATEST seconds after the start (seeded: --seed).
+On a slow machine the first step may end after LATEST (the checkpoints it reports are then all step 0): move
+the window later (say --earliest 28 --latest 50) so that the kills land in training.
 """
 
 from __future__ import annotations
