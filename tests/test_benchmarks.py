@@ -54,8 +54,9 @@ def test_every_benchmark_is_checked() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("shared_data")  # some smoke runs read ../shared/data: skipped where it is absent
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_benchmark_runs_at_its_smallest_size(script: str, shared_data: Path) -> None:
+def test_a_benchmark_runs_at_its_smallest_size(script: str) -> None:
     if _skip_reason(script):
         pytest.skip(_skip_reason(script))
     result = smoke_run(script)
