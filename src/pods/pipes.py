@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import select
+import selectors
 import struct
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -19,6 +19,7 @@ from typing import Any
 __all__ = ["NOTHING", "Link", "PeerGone", "link_pair"]
 
 HEADER = struct.Struct("<Q")
+_Selector = getattr(selectors, "PollSelector", selectors.DefaultSelector)  # poll(2): no descriptor of its own
 NOTHING = object()  # what :meth:`Link.receive` returns when no message came in time
 
 
@@ -49,7 +50,7 @@ class Link:
                 if not full and on_full is not None:
                     on_full()
                 full = True
-                select.select([], [fd], [], poll)
+                _wait_until(fd, selectors.EVENT_WRITE, poll)
             except (BrokenPipeError, OSError) as error:
                 raise PeerGone(f"the other side closed the link ({error})") from None
 
@@ -57,8 +58,7 @@ class Link:
         """The next message, or :data:`NOTHING` if none starts within ``timeout`` seconds; :class:`PeerGone` at the
         end of the stream (the other side closed its end or died, also in the middle of a message)."""
         fd = self.incoming.fileno()
-        readable, _, _ = select.select([fd], [], [], max(timeout, 0.0))
-        if not readable:
+        if not _wait_until(fd, selectors.EVENT_READ, timeout):
             return NOTHING
         (size,) = HEADER.unpack(self._read(fd, HEADER.size))
         return pickle.loads(self._read(fd, size))
@@ -77,6 +77,15 @@ class Link:
     def close(self) -> None:
         self.incoming.close()
         self.outgoing.close()
+
+
+def _wait_until(fd: int, event: int, timeout: float) -> bool:
+    """Whether ``fd`` became readable or writable (``event``) within ``timeout`` seconds; by poll/epoll, which take
+    any descriptor (``select.select`` refuses those >= 1024, and a run may hold that many: shared-memory weights
+    open one per trainable tensor)."""
+    with _Selector() as selector:
+        selector.register(fd, event)
+        return bool(selector.select(max(timeout, 0.0)))
 
 
 def link_pair(context: Any) -> tuple[Link, tuple[Connection, Connection]]:
