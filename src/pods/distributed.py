@@ -115,6 +115,15 @@ def synced_max(accelerator: Any, value: float) -> float:
     return float(accelerator.reduce(tensor, "max"))
 
 
+def synced_counts(accelerator: Any, counts: list[int]) -> list[int]:
+    """Each of ``counts`` at its largest over processes (equal lengths on every process), e.g. the forwards of
+    each micro-batch, so that every process runs as many collectives as the busiest."""
+    if accelerator.num_processes == 1:
+        return list(counts)
+    tensor = torch.tensor(counts, dtype=torch.long, device=accelerator.device)
+    return [int(count) for count in accelerator.reduce(tensor, "max").tolist()]
+
+
 def synced_any(accelerator: Any, flag: bool) -> bool:
     """True on every process when ``flag`` is true on any."""
     if accelerator.num_processes == 1:

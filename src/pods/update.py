@@ -3,7 +3,8 @@ and the kept batch (testable without a trainer).
 
 The rows are split into micro-batches of ``micro_batch_size``, accumulated into one optimizer step per pass,
 ``num_iterations`` passes; packed (``packing``), a micro-batch runs as forwards of at most ``token_budget``
-tokens, each backpropagated before the next, so that memory is bounded by the budget. Old and reference
+tokens, each backpropagated before the next, so that memory is bounded by the budget. With several processes each
+micro-batch runs as many forwards on every process (:func:`padding_logprobs`). Old and reference
 log-probs come from evaluation-mode forwards (no dropout); the sampler's log-probs, when the engine reports
 them (vLLM), are compared with the old ones: truncated importance weights correct the sampler/trainer
 mismatch, and the mismatch is logged. A NaN/inf loss or gradient norm skips the optimizer step
@@ -23,9 +24,17 @@ import torch
 
 from pods.checkpoint import TrainerState
 from pods.config import TrainConfig
-from pods.distributed import gradients_kept_local, step_was_applied, synced_any, synced_max, synced_sum
+from pods.distributed import (
+    gradients_kept_local,
+    step_was_applied,
+    synced_any,
+    synced_counts,
+    synced_max,
+    synced_sum,
+)
 from pods.errors import NonFiniteError
 from pods.loss import (
+    Forward,
     forward_logprobs,
     mean_abs_difference,
     plan_forwards,
@@ -135,10 +144,19 @@ def policy_update(
         )
         for part in parts
     }
+    # Under DeepSpeed ZeRO-3 and FSDP every forward gathers parameters, under ZeRO-2 and FSDP every backward
+    # reduces gradients, with all processes at once: each micro-batch runs as many forwards on every process
+    # as on the one whose rows plan the most, the others filling in with padding forwards that weigh nothing.
+    counts = synced_counts(acc, [len(plan) for plan in plans.values()])
+    agreed = dict(zip(plans, counts, strict=True))
 
     def logprobs_of(net: torch.nn.Module, part: slice, **truncation: Any) -> torch.Tensor:
         part_rows = [t[part] for t in rows]
-        return planned_logprobs(net, plans[part.start], *part_rows, temperature=temperature, **truncation)
+        plan = plans[part.start]
+        logprobs = planned_logprobs(net, plan, *part_rows, temperature=temperature, **truncation)
+        for _ in range(agreed[part.start] - len(plan)):
+            padding_logprobs(net, *part_rows)
+        return logprobs
 
     sampling_logprobs = batch.sampling_logprobs
     correct = cfg.vllm_importance_sampling_correction and sampling_logprobs is not None
@@ -191,12 +209,19 @@ def policy_update(
                             mean_abs_difference(comparable[part], sampling_logprobs[part], mask[part])
                         )
                 # Packed, a micro-batch runs as forwards of at most token_budget tokens, each backpropagated
-                # before the next (activations bounded by the budget); gradients sync after the last one.
+                # before the next (activations bounded by the budget); gradients sync after the last one, which
+                # may be a padding forward (as many forwards on every process: see ``agreed``).
                 part_rows = [t[part] for t in rows]
                 forwards = plans[part.start]
-                for index, forward in enumerate(forwards):
-                    last = index == len(forwards) - 1
+                for index in range(agreed[part.start]):
+                    last = index == agreed[part.start] - 1
                     with contextlib.nullcontext() if last else gradients_kept_local(acc, model):
+                        if index >= len(forwards):
+                            nothing = padding_logprobs(model, *part_rows).sum() * 0.0  # zero gradients
+                            finite = finite and math.isfinite(nothing.item())
+                            acc.backward(nothing)
+                            continue
+                        forward = forwards[index]
                         logprobs = forward_logprobs(model, forward, *part_rows, temperature=temperature)
                         out = policy_loss(
                             logprobs,
@@ -258,6 +283,23 @@ def policy_update(
         means["sampling/importance_sampling_ratio/min"] = low
         means["sampling/importance_sampling_ratio/max"] = high
     return {"loss": loss, **means, "grad_norm": sum(grad_norms) / len(grad_norms)}
+
+
+def padding_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Log-probs ``[1, 1]`` of the first row's first completion token, one short forward through the whole model:
+    a padding forward that keeps this process's collectives (parameter gathers, and with gradients the
+    backward's reductions) in step with a process that runs more forwards; callers weigh it by zero."""
+    completion = completion_ids[:1, :1] if completion_ids.shape[1] else prompt_ids[:1, -1:]
+    whole = Forward(torch.ones(1, dtype=torch.bool), None)
+    return forward_logprobs(
+        model, whole, prompt_ids[:1], prompt_mask[:1], completion, torch.ones_like(completion)
+    )
 
 
 def training_rows(trained: torch.Tensor, num_parts: int) -> torch.Tensor:

@@ -828,7 +828,10 @@ def fused_packed_logps(model: Any, rows: list[torch.Tensor], token_budget: int) 
     """TRL's per-token log-probs (its fused LM head, one label per position) of padded rows
     ``[prompt_ids, prompt_mask, completion_ids, completion_mask]``, over shared-prefix packed rows."""
     batch, width = rows[2].shape
-    if not bool(rows[3].any()):  # a chunk of rows that weigh nothing
+    if not bool(rows[3].any()):  # a chunk of rows that weigh nothing: zeros, after a forward all the same
+        # (under ZeRO-3 / FSDP a forward gathers parameters with the other processes, which run their chunk's)
+        if batch and width:
+            fused_packed_logps(model, [*rows[:3], first_token_only(rows[3])], token_budget)
         return torch.zeros(batch, width, device=rows[2].device)
     packed = pack(*(t.cpu() for t in rows), token_budget=token_budget, hidden_size=hidden_size(model))
     device = rows[2].device
@@ -842,6 +845,13 @@ def fused_packed_logps(model: Any, rows: list[torch.Tensor], token_budget: int) 
     values = out.log_probs.reshape(-1)[packed.label_index.to(device)].float()
     flat = torch.zeros(batch * width, dtype=values.dtype, device=device)
     return flat.scatter(0, packed.label_dest.to(device), values).view(batch, width)
+
+
+def first_token_only(completion_mask: torch.Tensor) -> torch.Tensor:
+    """A completion mask with the first row's first token alone: a stand-in forward's rows (one token scored)."""
+    mask = torch.zeros_like(completion_mask)
+    mask[0, 0] = 1
+    return mask
 
 
 class _PromptDraws:
