@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pods.architectures import RowPlan, base_model, row_plan
 from pods.packing import (
     DEFAULT_TOKEN_BUDGET,
     Packing,
@@ -30,7 +31,6 @@ from pods.packing import (
     model_mask,
     pack,
     packable,
-    packing_blocker,
 )
 
 __all__ = [
@@ -163,11 +163,7 @@ def selected_token_logprobs(
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether the model's forward, under DDP/FSDP/DeepSpeed (``.module``) and peft wrappers, takes
     ``logits_to_keep``."""
-    base = model
-    while isinstance(getattr(base, "module", None), torch.nn.Module):
-        base = base.module
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
+    return "logits_to_keep" in inspect.signature(base_model(model).forward).parameters
 
 
 def _last_used_column(mask: Tensor) -> int:
@@ -217,11 +213,18 @@ def plan_forwards(
     token_budget: int = DEFAULT_TOKEN_BUDGET,
 ) -> list[Forward]:
     """The forward passes that score these rows: one over the padded rows, or (``packing``, where the model's
-    attention takes the mask: :func:`pods.packing.packing_blocker`) shared-prefix packed rows, each prompt
+    attention takes the mask: :func:`pods.architectures.row_plan`) shared-prefix packed rows, each prompt
     once, in forwards of at most ``token_budget`` tokens (:func:`pods.packing.forward_slices`)."""
     _check_rows(prompt_ids, prompt_mask, completion_ids, completion_mask)
     everything = Forward(torch.ones(prompt_ids.shape[0], dtype=torch.bool), None)
-    if completion_ids.shape[1] == 0 or not (packing and _packs(model, prompt_mask, completion_mask)):
+    if not packing:
+        return [everything]
+    # decided (and self-checked) on every rank at the same point, whatever its rows: the check's forwards
+    # are collectives under ZeRO-3 / FSDP
+    plan = row_plan(model)
+    if plan.packing_blocker is not None or completion_ids.shape[1] == 0:
+        return [everything]
+    if not _packs(model, prompt_mask, completion_mask):
         return [everything]
     rows = (prompt_ids.cpu(), prompt_mask.cpu(), completion_ids.cpu(), completion_mask.cpu())
     packed = pack(*rows, token_budget, hidden_size(model))
@@ -240,6 +243,7 @@ def forward_logprobs(
     chunk_size: int | None = None,
     top_k: int = 0,
     top_p: float = 1.0,
+    plan: RowPlan | None = None,
 ) -> Tensor:
     """Log-probs ``[B, Lc]`` (float32) of the completion tokens ``forward`` scores (0 at every other position
     when packed; finite but meaningless at masked positions unpacked). See :func:`completion_logprobs`."""
@@ -256,7 +260,7 @@ def forward_logprobs(
             raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}.")
     scoring = {"temperature": temperature, "chunk_size": chunk_size, "top_k": top_k, "top_p": top_p}
     if forward.packed is not None:
-        return _packed_logprobs(model, forward.packed, scoring)
+        return _packed_logprobs(model, forward.packed, scoring, plan or row_plan(model))
     use_logits_to_keep = _accepts_logits_to_keep(model)
 
     # Trim columns that are padding in every row: leading prompt padding and trailing completion padding
@@ -303,7 +307,7 @@ def completion_logprobs(
     log-probs). Values at masked completion positions are finite but meaningless (0 past the longest
     completion of a micro-batch; 0 everywhere they are masked when packed).
 
-    With ``packing`` (where the model's attention takes a custom mask: :func:`pods.packing.packing_blocker`)
+    With ``packing`` (where the model's attention takes a custom mask: :func:`pods.architectures.row_plan`)
     rows with the same prompt forward it once, in forwards of at most ``token_budget`` tokens: the same
     log-probs, each prompt computed once. (With gradients, all forwards' activations are held until the
     caller's backward: :func:`pods.update.policy_update` backpropagates forward by forward instead.)
@@ -352,14 +356,8 @@ _REPORTED: set[str] = set()
 
 
 def _packs(model: torch.nn.Module, prompt_mask: Tensor, completion_mask: Tensor) -> bool:
-    """Whether this batch runs packed: the model takes the mask (else say why, once), the padding is
-    the usual one, and there is a completion token to score. On a GPU, say once which attention runs it."""
-    reason = packing_blocker(model)
-    if reason is not None:
-        if reason not in _REPORTED:
-            _REPORTED.add(reason)
-            print(f"packing is off: {reason}", file=sys.stderr)
-        return False
+    """Whether this batch of a packing model runs packed: the padding is the usual one, and there is a
+    completion token to score. On a GPU, say once which attention runs it."""
     if not (bool(completion_mask.any()) and packable(prompt_mask.cpu(), completion_mask.cpu())):
         return False
     path = attention_path(model)
@@ -369,7 +367,7 @@ def _packs(model: torch.nn.Module, prompt_mask: Tensor, completion_mask: Tensor)
     return True
 
 
-def _packed_logprobs(model: torch.nn.Module, packed: Packing, scoring: dict) -> Tensor:
+def _packed_logprobs(model: torch.nn.Module, packed: Packing, scoring: dict, plan: RowPlan) -> Tensor:
     """:func:`forward_logprobs` over shared-prefix packed rows (:mod:`pods.packing`): each prompt once."""
     device = next(model.parameters()).device
     length = packed.input_ids.shape[1]
@@ -378,7 +376,7 @@ def _packed_logprobs(model: torch.nn.Module, packed: Packing, scoring: dict) -> 
     extra = {"logits_to_keep": keep} if _accepts_logits_to_keep(model) else {}
     logits = model(
         input_ids=packed.input_ids.to(device),
-        attention_mask=model_mask(model, packed.block_ids.to(device), packed.segment_ids.to(device)),
+        attention_mask=model_mask(model, packed, plan),
         position_ids=packed.position_ids.to(device),
         use_cache=False,
         **extra,

@@ -10,9 +10,12 @@ own copy of the prompt.
 - :func:`pack`: padded rows -> a :class:`Packing` (pure: token ids and indices, no model);
 - :func:`forward_slices`: a packing's rows in slices of at most ``token_budget`` tokens, one forward each (the
   update backpropagates each before the next: its activations are bounded by the budget, not the batch);
-- :func:`attention_mask`: its ``[R, 1, T, T]`` boolean mask (True: may attend);
-- :func:`model_mask`: that mask in the form the model's attention takes (bool, additive, FlexAttention's);
-- :func:`packing_blocker`: why a model cannot take that mask (None when it can).
+- :func:`attention_mask`: its ``[R, 1, T, T]`` boolean mask (True: may attend), with a sliding window where
+  the model has one (on position ids);
+- :func:`model_mask`: that mask in the form the model's attention takes (bool, additive, FlexAttention's; one
+  per layer type where windows differ);
+- :func:`packing_blocker`: why a model's rows are not packed (None when they are): decided with the shared
+  prefill in :func:`pods.architectures.row_plan`, by a self-check on the real model.
 
 Per-token log-probs go back to the ``[rows, completion_len]`` layout the losses use through the indices
 of :class:`Packing` (:func:`pods.loss.completion_logprobs` does it).
@@ -25,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from pods.architectures import RowPlan, base_model, row_plan
 
 __all__ = [
     "DEFAULT_TOKEN_BUDGET",
@@ -42,10 +47,6 @@ __all__ = [
 ]
 
 DEFAULT_TOKEN_BUDGET = 2048
-
-# Attention implementations that apply a custom 4D mask exactly (flash-attention kernels take only
-# causal or block-diagonal masks).
-MASKED_ATTENTION = ("eager", "sdpa", "flex_attention")
 
 
 @dataclass(frozen=True)
@@ -250,71 +251,73 @@ def forward_slices(packed: Packing, token_budget: int = DEFAULT_TOKEN_BUDGET) ->
     return [packed.slice_rows(start, min(start + per_slice, rows)) for start in range(0, rows, per_slice)]
 
 
-def attention_mask(block_ids: Tensor, segment_ids: Tensor) -> Tensor:
-    """``[R, 1, T, T]`` bool, True where query t may attend to key s: s <= t in the same unit, and s is a
-    prompt token or in t's own completion. A padding position attends to the padding before it (never an
-    empty row, which would give NaN)."""
+def attention_mask(
+    block_ids: Tensor, segment_ids: Tensor, position_ids: Tensor | None = None, window: int | None = None
+) -> Tensor:
+    """``[R, 1, T, T]`` bool, True where query t may attend to key s: s <= t in the same unit, s is a prompt
+    token or in t's own completion, and (with a sliding ``window``) s is less than ``window`` positions before
+    t (transformers' rule, on the position ids: the same keys as in the row computed whole). A padding
+    position attends to the padding before it (never an empty row, which would give NaN)."""
     length = block_ids.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=block_ids.device).tril()
     same_unit = block_ids[:, :, None] == block_ids[:, None, :]
     visible = (segment_ids[:, None, :] == 0) | (segment_ids[:, :, None] == segment_ids[:, None, :])
-    return (causal & same_unit & visible).unsqueeze(1)
-
-
-def _base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under DDP/FSDP/DeepSpeed (``.module``) and peft wrappers."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    allowed = causal & same_unit & visible
+    if window is not None:
+        if position_ids is None:
+            raise ValueError("a sliding window needs the position ids of the packed rows.")
+        allowed &= position_ids[:, :, None] - position_ids[:, None, :] < window
+    return allowed.unsqueeze(1)
 
 
 def attention_implementation(model: torch.nn.Module) -> str | None:
     """The attention implementation transformers runs ``model`` with (None for a model without a config)."""
-    config = getattr(_base_model(model), "config", None)
+    config = getattr(base_model(model), "config", None)
     return getattr(config, "_attn_implementation", None) if config is not None else None
 
 
 def hidden_size(model: torch.nn.Module) -> int | None:
     """The model's hidden size, for :func:`pack`'s cost rule (None where the config has none)."""
-    config = getattr(_base_model(model), "config", None)
+    config = getattr(base_model(model), "config", None)
     size = getattr(config, "hidden_size", None)
     return size if isinstance(size, int) and size > 0 else None
 
 
 def packing_blocker(model: torch.nn.Module) -> str | None:
-    """Why ``model`` cannot run packed rows exactly (a one-line reason), or None when it can."""
-    implementation = attention_implementation(model)
-    if implementation is None:
-        return f"{type(_base_model(model)).__name__} is not a transformers model with an attention implementation"
-    if implementation not in MASKED_ATTENTION:
-        return (
-            f"attention implementation {implementation!r} takes no custom attention mask; "
-            f"load the model with one of {', '.join(MASKED_ATTENTION)}"
-        )
-    config = _base_model(model).config
-    layers = getattr(config, "layer_types", None) or ()
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in layers:
-        return "the model uses sliding-window attention, which a packed row's mask does not reproduce"
-    return None
+    """Why ``model``'s rows are not packed (a one-line reason), or None when they are (:func:`pods.architectures.row_plan`)."""
+    return row_plan(model).packing_blocker
 
 
-def model_mask(model: torch.nn.Module, block_ids: Tensor, segment_ids: Tensor) -> Any:
+def model_mask(model: torch.nn.Module, packed: Packing, plan: RowPlan | None = None) -> Any:
     """The packed rows' mask in the form ``model``'s attention takes: a block mask for FlexAttention (it
-    skips the blocks no query sees), bool for SDPA, additive float for eager attention."""
+    skips the blocks no query sees), bool for SDPA, additive float for eager attention; one per layer type
+    (a dict, as transformers builds for itself) where layer types see different windows."""
+    plan = plan or row_plan(model)
+    device = next(model.parameters()).device
+    ids = [t.to(device) for t in (packed.block_ids, packed.segment_ids, packed.position_ids)]
+    masks = {kind: _mask_for(model, *ids, window) for kind, window in plan.windows.items()}
+    return masks if plan.per_layer_masks else masks[""]
+
+
+def _mask_for(
+    model: torch.nn.Module, block_ids: Tensor, segment_ids: Tensor, position_ids: Tensor, window: int | None
+) -> Any:
     implementation = attention_implementation(model)
     if implementation == "flex_attention":
-        return flex_block_mask(block_ids, segment_ids)
-    allowed = attention_mask(block_ids, segment_ids)
+        return flex_block_mask(block_ids, segment_ids, position_ids, window)
+    allowed = attention_mask(block_ids, segment_ids, position_ids, window)
     if implementation == "sdpa":
         return allowed
-    dtype = _base_model(model).get_input_embeddings().weight.dtype
+    dtype = base_model(model).get_input_embeddings().weight.dtype
     dtype = dtype if dtype.is_floating_point else torch.float32
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
         ~allowed, torch.finfo(dtype).min
     )
 
 
-def flex_block_mask(block_ids: Tensor, segment_ids: Tensor) -> Any:
+def flex_block_mask(
+    block_ids: Tensor, segment_ids: Tensor, position_ids: Tensor | None = None, window: int | None = None
+) -> Any:
     """:func:`attention_mask` as a FlexAttention ``BlockMask`` (built from the ids, never as a dense T x T)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -323,8 +326,12 @@ def flex_block_mask(block_ids: Tensor, segment_ids: Tensor) -> Any:
         visible = (segment_ids[b, k] == 0) | (segment_ids[b, q] == segment_ids[b, k])
         return (k <= q) & same_unit & visible
 
+    def windowed(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return allowed(b, h, q, k) & (position_ids[b, q] - position_ids[b, k] < window)
+
     rows, length = block_ids.shape
-    return create_block_mask(allowed, B=rows, H=None, Q_LEN=length, KV_LEN=length, device=block_ids.device)
+    rule = allowed if window is None else windowed
+    return create_block_mask(rule, B=rows, H=None, Q_LEN=length, KV_LEN=length, device=block_ids.device)
 
 
 def attention_path(model: torch.nn.Module) -> str:

@@ -798,7 +798,9 @@ class PODSTrainer(GRPOTrainer):
         packs = self.args.packing and packable(*rows[1::2]) and bool(rows[3].any())
 
         def logps(model: Any) -> torch.Tensor:
-            if not packs or packing_blocker(model) is not None:
+            # decided (and self-checked) on every rank, whatever its rows: the check's forwards are collectives
+            blocked = self.args.packing and packing_blocker(model) is not None
+            if not packs or blocked:
                 return self._get_per_token_logps_and_entropies(model, ids, mask, width, batch_size=size)[0]
             with self.accelerator.autocast():
                 return torch.cat(
@@ -837,7 +839,7 @@ def fused_packed_logps(model: Any, rows: list[torch.Tensor], token_budget: int) 
     device = rows[2].device
     out = model(
         input_ids=packed.input_ids.to(device),
-        attention_mask=model_mask(model, packed.block_ids.to(device), packed.segment_ids.to(device)),
+        attention_mask=model_mask(model, packed),
         position_ids=packed.position_ids.to(device),
         shift_labels=packed.labels.to(device),
         fused_lm_head=True,

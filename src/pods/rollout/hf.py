@@ -7,6 +7,7 @@ import weakref
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
+from pods.architectures import row_plan
 from pods.errors import ConfigError
 from pods.rollout.base import (
     Rollouts,
@@ -242,33 +243,42 @@ class HFGenerateEngine:
 
 def shared_prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, device: torch.device):
     """The KV cache of every prompt but its last token, computed once per distinct row of ``ids`` [rows, L]
-    and repeated for the rows that share it; None where no row repeats (or the prompts are one token).
+    and repeated for the rows that share it; None where no row repeats, the prompts are one token, or the
+    model's cache cannot be shared exactly (:func:`pods.architectures.row_plan`: a recurrent state, ...).
 
     ``generate`` then runs only the last prompt token per row before sampling, as it would after its own
     prefill: the same logits (to float rounding) and the same random draws."""
     # a one-token prompt has no prefix; a model asking for its own cache (static, ...) keeps it
     if ids.shape[1] < 2 or getattr(getattr(model, "generation_config", None), "cache_implementation", None):
         return None
+    if row_plan(model).prefill_blocker is not None:
+        return None
+    return expand_prompt_cache(model, ids.to(device), mask.to(device))
+
+
+def expand_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor):
+    """:func:`shared_prefill`'s cache without the checks: every distinct row's prompt but its last token
+    forwarded once, its cache repeated for the rows that share it (None where no row repeats)."""
     unique, inverse = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
     if unique.shape[0] == ids.shape[0]:
         return None
     from transformers import DynamicCache
 
+    from pods.loss import _accepts_logits_to_keep
+
     width = ids.shape[1]
     prefix_ids, prefix_mask = unique[:, : width - 1], unique[:, width : 2 * width - 1]
     positions = (prefix_mask.long().cumsum(dim=1) - 1).masked_fill(prefix_mask == 0, 1)  # as generate does
-    from pods.loss import _accepts_logits_to_keep
-
     cache = DynamicCache(config=getattr(model, "config", None))
     model(
-        input_ids=prefix_ids.to(device),
-        attention_mask=prefix_mask.to(device),
-        position_ids=positions.to(device),
+        input_ids=prefix_ids,
+        attention_mask=prefix_mask,
+        position_ids=positions,
         past_key_values=cache,
         use_cache=True,
         **({"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}),  # only the cache is wanted
     )
-    cache.batch_select_indices(inverse.to(device))
+    cache.reorder_cache(inverse)  # rows may repeat: beam search's reordering, every layer kind's own
     return cache
 
 

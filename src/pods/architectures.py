@@ -1,0 +1,312 @@
+"""How a loaded model's rows may be computed: packed, with a shared prefill, or each row whole.
+
+One place decides, per model, from evidence rather than from a list of flags (:func:`row_plan`):
+
+- the attention implementation must take a custom 4D mask (eager, SDPA, FlexAttention);
+- sliding windows are read from the config (``layer_types`` per layer, else ``sliding_window``) and put into
+  the packed mask from position ids (a query sees the keys less than ``window`` positions back, as
+  transformers' own mask does);
+- a **self-check** on the real model, the first time it is planned: a few synthetic rows (longer than the
+  window where it is at most :data:`CHECK_MAX_TOKENS`) computed packed and each row whole, and their prompts'
+  last-token logits after a shared prefill and after a prefill per row. Where packed rows differ beyond float
+  tolerance (a recurrent, convolution or linear-attention state runs from one packed segment into the next;
+  an attention the mask does not reach), packing is off with one line naming the reason; likewise the
+  shared prefill.
+
+Every rank plans the same model at the same point and checks the same synthetic rows, so the self-check's
+forwards are the same collectives everywhere (ZeRO-3 and FSDP gather parameters in each forward).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CHECK_MAX_TOKENS",
+    "VERIFIED_MODEL_TYPES",
+    "RowPlan",
+    "base_model",
+    "row_plan",
+]
+
+# Architectures the suite builds (tests/test_architectures.py): packed = each row whole, or packing refused.
+VERIFIED_MODEL_TYPES = frozenset(
+    {
+        "llama",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "qwen3_5_text",
+        "qwen3_next",
+        "mistral",
+        "phi3",
+        "starcoder2",
+        "gemma2",
+        "gemma3_text",
+        "lfm2",
+        "falcon_h1",
+        "granitemoehybrid",
+        "olmo2",
+        "gpt_oss",
+    }
+)
+
+# Attention implementations that apply a custom 4D mask exactly (flash-attention kernels take only
+# causal or block-diagonal masks).
+MASKED_ATTENTION = ("eager", "sdpa", "flex_attention")
+# Layer types (transformers' ``config.layer_types``) that are attention and how far back they see.
+FULL_ATTENTION = ("full_attention", "attention")
+SLIDING_ATTENTION = "sliding_attention"
+# The self-check's synthetic rows stay this short; a longer window is not exercised by it (the suite's
+# architecture zoo checks the window mechanism on windows of 12 tokens).
+CHECK_MAX_TOKENS = 320
+# Largest |packed - whole| log-prob difference that is float rounding, by parameter dtype.
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
+HALF_TOLERANCE = 2e-2
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How rows of one model may be computed. ``windows`` maps each attention layer type to how many positions
+    back its queries see (None: all); a single entry keyed ``""`` applies to every layer."""
+
+    packing_blocker: str | None = None  # why rows are not packed (None: they are)
+    prefill_blocker: str | None = None  # why HF generation prefills each row (None: a prompt once)
+    windows: dict[str, int | None] = field(default_factory=lambda: {"": None})
+
+    @property
+    def per_layer_masks(self) -> bool:
+        """Whether the model takes a mask per layer type (a dict keyed by ``config.layer_types``)."""
+        return "" not in self.windows
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under DDP/FSDP/DeepSpeed (``.module``) and peft wrappers."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def row_plan(model: torch.nn.Module, *, check: bool = True) -> RowPlan:
+    """How ``model``'s rows may be computed; decided once per model (the self-check runs on the first call
+    with ``check``) and said on stderr once where packing or the shared prefill is off."""
+    base = base_model(model)
+    implementation = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    known = _PLANS.get(base)
+    if known is not None and known[0] == implementation:  # planned anew where the attention was changed
+        return known[1]
+    plan = _static_plan(base)
+    if check:
+        plan = _self_check(model, plan)
+        _PLANS[base] = (implementation, plan)
+        for what, reason in (("packing", plan.packing_blocker), ("shared prefill", plan.prefill_blocker)):
+            if reason is not None:
+                _say(f"{what} is off for {type(base).__name__}: {reason}")
+    return plan
+
+
+_SAID: set[str] = set()
+
+
+def _say(line: str) -> None:
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, file=sys.stderr)
+
+
+def _static_plan(base: torch.nn.Module) -> RowPlan:
+    """What the config alone decides: the attention implementation and the windows."""
+    config = getattr(base, "config", None)
+    implementation = getattr(config, "_attn_implementation", None) if config is not None else None
+    if implementation is None:
+        reason = f"{type(base).__name__} is not a transformers model with an attention implementation"
+        return RowPlan(reason, reason)
+    blocker = None
+    if implementation not in MASKED_ATTENTION:
+        blocker = (
+            f"attention implementation {implementation!r} takes no custom attention mask; "
+            f"load the model with one of {', '.join(MASKED_ATTENTION)}"
+        )
+    windows, window_blocker = _windows(config)
+    return RowPlan(blocker or window_blocker, None, windows)
+
+
+def _windows(config: Any) -> tuple[dict[str, int | None], str | None]:
+    """Per attention layer type, how many positions back a query sees; or why rows cannot be packed."""
+    sliding = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        windows: dict[str, int | None] = {}
+        stateful = []
+        for kind in dict.fromkeys(layer_types):
+            if kind in FULL_ATTENTION:
+                windows[kind] = None
+            elif kind == SLIDING_ATTENTION:
+                if not isinstance(sliding, int) or sliding < 1:
+                    return {"": None}, f"its sliding-attention layers have no sliding_window ({sliding!r})"
+                windows[kind] = sliding
+            else:  # linear attention, convolutions, Mamba, chunked attention: no 4D mask reaches them
+                stateful.append(kind)
+        if stateful:
+            return {"": None}, (
+                f"its {', '.join(stateful)} layers are not attention under a mask: their state would run from "
+                "one packed segment into the next; each row is computed whole"
+            )
+        return windows, None
+    if isinstance(sliding, int) and getattr(config, "use_sliding_window", True) is not False:
+        return {"": sliding}, None
+    return {"": None}, None
+
+
+def _attention_free_types(model: torch.nn.Module) -> list[str]:
+    config = getattr(base_model(model), "config", None)
+    kinds = dict.fromkeys(getattr(config, "layer_types", None) or ())
+    return [kind for kind in kinds if kind not in FULL_ATTENTION and kind != SLIDING_ATTENTION]
+
+
+def _tolerance(model: torch.nn.Module) -> float:
+    dtype = next(model.parameters()).dtype
+    return TOLERANCE.get(dtype, HALF_TOLERANCE)
+
+
+def synthetic_rows(
+    vocab_size: int, window: int | None, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Two left-padded prompts with three right-padded completions each, random tokens from a fixed seed,
+    long enough that a packed unit spans more than ``window`` positions (up to :data:`CHECK_MAX_TOKENS`)."""
+    generator = torch.Generator().manual_seed(seed)
+    span = min(window + 4, CHECK_MAX_TOKENS // 2) if window else 14
+    prompt_lengths = [max(2, span // 3), max(2, span // 5)]
+    completion_lengths = [[span, 3, span // 2], [span - 2, span // 3, 1]]
+    width_p, width_c = max(prompt_lengths), max(max(c) for c in completion_lengths)
+    rows = 3 * len(prompt_lengths)
+    prompt_ids = torch.zeros(rows, width_p, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    completion_ids = torch.zeros(rows, width_c, dtype=torch.long)
+    completion_mask = torch.zeros_like(completion_ids)
+    for p, (length, completions) in enumerate(zip(prompt_lengths, completion_lengths, strict=True)):
+        prompt = torch.randint(0, vocab_size, (length,), generator=generator)
+        for k, n in enumerate(completions):
+            b = 3 * p + k
+            prompt_ids[b, width_p - length :], prompt_mask[b, width_p - length :] = prompt, 1
+            completion_ids[b, :n] = torch.randint(0, vocab_size, (n,), generator=generator)
+            completion_mask[b, :n] = 1
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    return int(base_model(model).get_input_embeddings().weight.shape[0])
+
+
+def _self_check(model: torch.nn.Module, plan: RowPlan) -> RowPlan:
+    """``plan`` with packing and the shared prefill switched off where, on synthetic rows, they differ from
+    each row computed whole (or raise inside the model)."""
+    finite = [w for w in plan.windows.values() if w is not None]
+    rows = synthetic_rows(_vocab_size(model), min(finite) if finite else None)
+    tolerance = _tolerance(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packing = plan.packing_blocker or _packing_difference(model, plan, rows, tolerance)
+            prefill = plan.prefill_blocker or _prefill_difference(model, rows, tolerance)
+    finally:
+        model.train(was_training)
+    return RowPlan(packing, prefill, plan.windows)
+
+
+def _state_hint(model: torch.nn.Module) -> str:
+    kinds = _attention_free_types(model)
+    named = f" ({', '.join(kinds)} layers)" if kinds else ""
+    return f"a state the attention mask does not reach{named} runs from one packed segment into the next"
+
+
+def _packing_difference(
+    model: torch.nn.Module, plan: RowPlan, rows: tuple[Tensor, ...], tolerance: float
+) -> str | None:
+    """Why packed rows do not give each row's log-probs computed whole (None when they do)."""
+    from pods.loss import Forward, forward_logprobs
+    from pods.packing import pack
+
+    packed = pack(*rows, token_budget=10**9)
+    try:
+        whole = _whole_row_logprobs(model, rows)
+        logprobs = forward_logprobs(model, Forward(packed.rows_scored(), packed), *rows, plan=plan)
+    except Exception as error:  # the model cannot run a packed row: each row whole, exact, said in one line
+        return f"{type(base_model(model)).__name__} failed on a packed row ({_first_line(error)})"
+    difference = _max_difference(logprobs, whole, rows[3])
+    if difference > tolerance:
+        return (
+            f"packed log-probs differ from each row computed whole by {difference:.2g} "
+            f"(tolerance {tolerance:g}): {_state_hint(model)}; each row is computed whole"
+        )
+    return None
+
+
+def _prefill_difference(model: torch.nn.Module, rows: tuple[Tensor, ...], tolerance: float) -> str | None:
+    """Why a prompt's cache computed once and repeated for its samples does not give the logits of a prefill
+    per row (None when it does)."""
+    from pods.rollout.hf import expand_prompt_cache
+
+    prompt_ids, prompt_mask = rows[0], rows[1]
+    device = next(model.parameters()).device
+    ids, mask = prompt_ids.to(device), prompt_mask.to(device)
+    positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
+    try:
+        cache = expand_prompt_cache(model, ids, mask)
+        if cache is None:
+            return "no row of the check repeats its prompt"
+        shared = model(
+            input_ids=ids[:, -1:],
+            attention_mask=mask,
+            position_ids=positions[:, -1:],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]
+        full = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[
+            :, -1
+        ]
+    except Exception as error:  # a cache that cannot be repeated per sample: each row prefilled, exact
+        return f"its cache cannot be repeated per sample ({_first_line(error)})"
+    difference = float(
+        (torch.log_softmax(shared.float(), -1) - torch.log_softmax(full.float(), -1)).abs().max()
+    )
+    if difference > tolerance:
+        return (
+            f"a prompt's cache repeated for its samples gives logits {difference:.2g} away from a prefill per "
+            f"row (tolerance {tolerance:g}): {_state_hint(model).split(' runs ')[0]}; each row is prefilled"
+        )
+    return None
+
+
+def _whole_row_logprobs(model: torch.nn.Module, rows: tuple[Tensor, ...]) -> Tensor:
+    """Each row's completion log-probs from a forward of that row alone (no padding, nothing packed)."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask = rows
+    device = next(model.parameters()).device
+    out = torch.zeros(completion_ids.shape, dtype=torch.float32)
+    for b in range(prompt_ids.shape[0]):
+        prompt = prompt_ids[b][prompt_mask[b].bool()]
+        completion = completion_ids[b][completion_mask[b].bool()]
+        ids = torch.cat([prompt, completion])[None].to(device)
+        logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
+        out[b, : len(completion)] = (
+            torch.log_softmax(logits, -1).gather(-1, completion[:, None].to(device))[:, 0].cpu()
+        )
+    return out
+
+
+def _max_difference(logprobs: Tensor, whole: Tensor, mask: Tensor) -> float:
+    return float((logprobs.float().cpu() - whole)[mask.bool()].abs().max())
+
+
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
