@@ -1,5 +1,6 @@
 """pods: reinforcement learning with verifiable rewards, with PODS down-sampling of rollouts."""
 
+import logging
 import os
 from importlib.metadata import PackageNotFoundError, version
 
@@ -9,6 +10,16 @@ from importlib.metadata import PackageNotFoundError, version
 # so it holds for `pods` commands and for `import pods` before `import torch`.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+def _without_deepspeed_cpu_notice(record: logging.LogRecord) -> bool:
+    """False for DeepSpeed's "Setting accelerator to CPU" notice, which its import logs on every machine without a
+    GPU (accelerate imports it in ``unwrap_model``); every other record of its logger passes."""
+    return not str(record.msg).startswith("Setting accelerator to CPU")
+
+
+# on the logger before DeepSpeed creates it (it keeps the filters), so that every pods process is free of it
+logging.getLogger("DeepSpeed").addFilter(_without_deepspeed_cpu_notice)
 
 try:
     __version__ = version("pods")

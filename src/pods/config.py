@@ -515,27 +515,61 @@ def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """Turn ``["--key", "value", "--flag", ...]`` or ``["key=value"]`` into a mapping (values parsed as YAML)."""
+    """Turn ``["--key", "value", "--flag", ...]`` or ``["key=value"]`` into a mapping (values parsed as YAML); a list
+    key also takes several values, ``--reward_funcs a.py:f b.py:g``, as TRL's command line writes a list."""
     overrides: dict[str, Any] = {}
+    for key, raws in group_overrides(items):
+        key = key.replace("-", "_")
+        values = [_override_value(key, raw) for raw in raws]
+        if len(values) > 1 and key in _HINTS and not _takes_list(key):
+            raise ConfigError(
+                f"option --{key} takes one value, got {len(values)} ({' '.join(raws)}); quote a value with spaces"
+            )
+        overrides[key] = values if len(values) > 1 else values[0]
+    return overrides
+
+
+def group_overrides(items: list[str]) -> list[tuple[str, list[str]]]:
+    """``items`` as ``(key, raw values)`` in order: ``--key value [value ...]``, ``--key=value`` or ``key=value``."""
+    groups: list[tuple[str, list[str]]] = []
     index = 0
     while index < len(items):
         item = items[index]
         if item.startswith("--"):
             key, sep, raw = item[2:].partition("=")
-            if not sep:
-                if index + 1 >= len(items) or items[index + 1].startswith("--"):
+            index += 1
+            if not sep:  # the first value is taken as it is (a template may hold "="), more while they last
+                if index >= len(items) or items[index].startswith("--"):
                     raise ConfigError(f"option --{key} needs a value (e.g. --{key} VALUE)")
+                raw, index = items[index], index + 1
+            raws = [raw]
+            while not sep and index < len(items) and not _starts_override(items[index]):
+                raws.append(items[index])
                 index += 1
-                raw = items[index]
         else:
             key, sep, raw = item.partition("=")
             if not sep:
                 raise ConfigError(f"cannot read override {item!r}: write --key value or key=value")
-        key = key.replace("-", "_")
-        as_written = _text_only(key) and raw not in ("null", "~") and not _quoted(raw)
-        overrides[key] = raw if as_written else _parse_value(raw)
-        index += 1
-    return overrides
+            raws = [raw]
+            index += 1
+        groups.append((key, raws))
+    return groups
+
+
+def _starts_override(item: str) -> bool:
+    """``--key...`` or ``key=value``: the next override rather than one more value of a list."""
+    return item.startswith("--") or re.match(r"[A-Za-z_][\w-]*=", item) is not None
+
+
+def _override_value(key: str, raw: str) -> Any:
+    as_written = _text_only(key) and raw not in ("null", "~") and not _quoted(raw)
+    return raw if as_written else _parse_value(raw)
+
+
+def _takes_list(key: str) -> bool:
+    hint = _HINTS.get(key)
+    allowed = get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    return any(get_origin(kind) is list for kind in allowed)
 
 
 def _quoted(raw: str) -> bool:

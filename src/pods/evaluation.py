@@ -75,7 +75,7 @@ def evaluate(
     other engine (vLLM, which schedules its own batches) gets the whole set in one call.
     """
     from pods.prompts import render_prompt
-    from pods.scoring import score_completions
+    from pods.scoring import reward_columns, score_completions
 
     if protocol not in ("greedy", "sampled"):
         raise ValueError(f"unknown evaluation protocol {protocol!r}; choose greedy or sampled")
@@ -99,7 +99,7 @@ def evaluate(
         rendered = [render_prompt(row["prompt"], tokenizer) for row in chunk]
         rollouts = engine.generate(rendered, k, sampling)
         prompts = [row["prompt"] for row in chunk for _ in range(k)]
-        columns = {key: [row[key] for row in chunk for _ in range(k)] for key in chunk[0] if key != "prompt"}
+        columns = reward_columns(chunk, k)
         pairs = zip(rollouts.completion_ids, rollouts.completion_mask, strict=True)
         ids = [row[mask.bool()].tolist() for row, mask in pairs]
         # every column, as in training; a failing function is named with the completion it fails on

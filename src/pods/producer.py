@@ -30,7 +30,7 @@ from pods.prompt_skip import (
     round_prompts,
 )
 from pods.rollout import Rollouts, SamplingParams
-from pods.scoring import RewardFunction, score_completions
+from pods.scoring import RewardFunction, reward_columns, score_completions
 
 __all__ = ["OneProcess", "ProducedBatch", "Producer", "ProducerState", "score_batch", "seed_step"]
 
@@ -105,7 +105,7 @@ def score_batch(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """2. One weighted, summed reward per completion ``[prompts, n]``, and each function's."""
     n = rollouts.num_generations
-    columns = {key: [row[key] for row in batch for _ in range(n)] for key in batch[0] if key != "prompt"}
+    columns = reward_columns(batch, n)
     prompts = [row["prompt"] for row in batch for _ in range(n)]
     completion_ids = [
         ids[mask.bool()].tolist()

@@ -12,7 +12,14 @@ from pods.config import TrainConfig
 from pods.data.common import TaskDataError
 from pods.errors import ConfigError
 
-__all__ = ["accuracy_function", "accuracy_spec", "check_reward_columns", "dataset_rows", "reward_functions"]
+__all__ = [
+    "accuracy_function",
+    "accuracy_spec",
+    "check_reward_columns",
+    "dataset_rows",
+    "no_held_out_evaluation",
+    "reward_functions",
+]
 
 CHECKER_NAMES = ("accuracy", "math_accuracy")  # the built-ins that read the answer column
 
@@ -34,7 +41,7 @@ def accuracy_function(config: TrainConfig, reward_funcs: list[Callable[..., Any]
     with ``dataset_name`` the first of ``reward_funcs``."""
     from pods.data import get_task
     from pods.rewards.imported import resolve_reward
-    from pods.scoring import reward_name
+    from pods.scoring import reward_name, reward_names
 
     spec = config.accuracy_reward
     if spec is None and config.dataset_name is None:
@@ -43,8 +50,13 @@ def accuracy_function(config: TrainConfig, reward_funcs: list[Callable[..., Any]
         spec = config.reward_funcs[0] if config.reward_funcs else config.reward_model_name_or_path
     offset = 1 if config.reward_model_name_or_path else 0
     given_specs = [config.reward_model_name_or_path] * offset + list(config.reward_funcs or [])
-    for given, fn in zip(given_specs, reward_funcs, strict=False):  # the Python API's own functions: no specs
-        if spec in (given, reward_name(fn)):
+    names = reward_names(reward_funcs)  # distinct (a.reward, b.reward) where two share a name
+    for index, (fn, name) in enumerate(zip(reward_funcs, names, strict=True)):
+        given = given_specs[index] if index < len(given_specs) else None  # the Python API's own: no spec
+        if spec in (given, name):
+            return fn
+    for fn in reward_funcs:  # a shared name (reward for a.py:reward) is the first function of that name
+        if spec == reward_name(fn):
             return fn
     return resolve_reward(spec, "accuracy_reward")
 
@@ -85,6 +97,24 @@ def dataset_rows(
     )
 
 
+def no_held_out_evaluation(config: TrainConfig) -> str | None:
+    """Why a run on ``dataset_name`` evaluates on nothing held out: the source has no split ``test`` and
+    ``dataset_test_split`` was left at it (a single file is the one split ``train``). TRL's script trains on such
+    data and evaluates on nothing; a ``dataset_test_split`` set to a split the source lacks stays an error."""
+    from pods.data.user import dataset_splits
+
+    default = TrainConfig.__dataclass_fields__["dataset_test_split"].default
+    if config.dataset_name is None or config.dataset_test_split != default:
+        return None
+    splits = dataset_splits(config.dataset_name, config.dataset_config)
+    if default in splits:
+        return None
+    return (
+        f"no held-out evaluation: dataset_name {config.dataset_name!r} has no split {default!r} (it has "
+        f"{', '.join(splits)}); set dataset_test_split, or add a {default}.jsonl beside a train.jsonl in a folder"
+    )
+
+
 def check_reward_columns(
     reward_funcs: list[Callable[..., Any]], rows: list[dict[str, Any]], what: str
 ) -> None:
@@ -96,10 +126,10 @@ def check_reward_columns(
 
     if not rows:
         raise TaskDataError(f"{what} has no rows (after dropping prompts over max_prompt_length tokens)")
-    columns = sorted(key for key in rows[0] if key != "prompt")
+    columns = sorted({key for row in rows for key in row} - {"prompt"})  # any row's reaches every reward
     checkers = {REWARD_FUNCTIONS[name] for name in CHECKER_NAMES}
     for fn in reward_funcs:
-        if fn in checkers and "answer" not in rows[0]:
+        if fn in checkers and "answer" not in columns:
             raise ConfigError(
                 f"reward {reward_name(fn)!r} reads the gold answer from an 'answer' column, which {what} lacks "
                 f"(columns: {', '.join(columns)}); set answer_column to the column that holds it"

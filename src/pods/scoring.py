@@ -14,7 +14,51 @@ RewardFunction = Callable[..., Sequence[float | None]]
 
 
 def reward_name(fn: RewardFunction) -> str:
+    """A function's own name (``__name__``, as TRL names a reward's metrics)."""
     return getattr(fn, "__name__", type(fn).__name__)
+
+
+def reward_names(reward_funcs: Sequence[RewardFunction]) -> list[str]:
+    """One distinct name per function, for its metrics and its column of rewards: its own name, or where two
+    share one (``a.py:reward b.py:reward``), the name qualified by its file or module (``a.reward``, as TRL's
+    dotted spelling writes it); then a number where even those are equal (two files ``x/r.py``, ``y/r.py``)."""
+    own = [reward_name(fn) for fn in reward_funcs]
+    names = [
+        _qualified_name(fn) if own.count(name) > 1 else name
+        for fn, name in zip(reward_funcs, own, strict=True)
+    ]
+    unique: list[str] = []
+    for name in names:
+        candidate, number = name, 1
+        while candidate in unique:
+            number += 1
+            candidate = f"{name}_{number}"
+        unique.append(candidate)
+    return unique
+
+
+def name_among(reward_funcs: Sequence[RewardFunction], fn: RewardFunction) -> str:
+    """``fn``'s column name: its distinct name among the run's ``reward_funcs``, else its own name."""
+    for candidate, name in zip(reward_funcs, reward_names(reward_funcs), strict=True):
+        if candidate is fn:
+            return name
+    return reward_name(fn)
+
+
+def _qualified_name(fn: RewardFunction) -> str:
+    """``module.function``: an imported function's own (``a.py:reward`` -> ``a.reward``), or where it was defined."""
+    qualified = getattr(fn, "qualified_name", None)
+    if isinstance(qualified, str):
+        return qualified
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{reward_name(fn)}" if isinstance(module, str) and module else reward_name(fn)
+
+
+def reward_columns(rows: Sequence[dict[str, Any]], repeat: int) -> dict[str, list[Any]]:
+    """The keywords every reward function gets for ``rows``, each value once per completion (``repeat`` a row):
+    every column but ``prompt`` of any row, None where a row lacks it (as ``datasets`` fills missing keys)."""
+    keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
+    return {key: [row.get(key) for row in rows for _ in range(repeat)] for key in keys}
 
 
 def score_completions(
@@ -26,7 +70,8 @@ def score_completions(
     columns: dict[str, list[Any]],
     timeout: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted sum of every reward function per completion: ``(total[N], {name: per_function[N]})``.
+    """Weighted sum of every reward function per completion: ``(total[N], {name: per_function[N]})``, each
+    function under its distinct name (:func:`reward_names`).
 
     Each function is called as ``f(prompts=..., completions=..., completion_ids=..., **columns)``
     with one entry per completion. A ``None`` score means "does not apply" and adds nothing, as in TRL;
@@ -37,8 +82,7 @@ def score_completions(
     weights = list(weights) if weights is not None else [1.0] * len(reward_funcs)
     total = torch.zeros(len(completions), dtype=torch.float64)
     per_function: dict[str, torch.Tensor] = {}
-    for fn, weight in zip(reward_funcs, weights, strict=True):
-        name = reward_name(fn)
+    for fn, weight, name in zip(reward_funcs, weights, reward_names(reward_funcs), strict=True):
         try:
             scores = call_with_timeout(
                 fn,

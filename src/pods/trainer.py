@@ -76,8 +76,14 @@ from pods.rollout_worker import (
     save_in_flight,
 )
 from pods.run_folder import require_shared_folder, start_accelerator
-from pods.run_inputs import accuracy_function, check_reward_columns, dataset_rows, reward_functions
-from pods.scoring import RewardFunction, reward_name
+from pods.run_inputs import (
+    accuracy_function,
+    check_reward_columns,
+    dataset_rows,
+    no_held_out_evaluation,
+    reward_functions,
+)
+from pods.scoring import RewardFunction, name_among, reward_names
 from pods.update import NonFiniteGuard, policy_update
 
 __all__ = ["NonFiniteError", "PODSTrainer", "TrainResult", "TrainingStopped", "train"]
@@ -161,8 +167,10 @@ class PODSTrainer:
         self.train_rows = self._load_rows(
             train_dataset, cfg.task, cfg.task_source, cfg.train_split, cfg.train_limit
         )
+        self.no_held_out: str | None = None  # why a run on dataset_name has no held-out evaluation
         self.eval_dataset = eval_dataset if eval_dataset is not None else self._load_eval_dataset()
         self.accuracy_fn = accuracy_function(cfg, reward_funcs)
+        self.accuracy_name = name_among(reward_funcs, self.accuracy_fn)  # its column among the run's rewards
         if cfg.dataset_name is not None and train_dataset is None:  # your rewards against your columns, now
             check_reward_columns(reward_funcs, self.train_rows, f"dataset_name {cfg.dataset_name!r}")
 
@@ -198,7 +206,7 @@ class PODSTrainer:
             cfg, self.engine, self.tokenizer, self.train_rows, score=self._score, accelerator=acc
         )
         self.prompts = self.producer.prompts
-        names = [reward_name(fn) for fn in reward_funcs]
+        names = reward_names(reward_funcs)
         if cfg.prompt_filter_reward != "total" and cfg.prompt_filter_reward not in names:
             raise ConfigError(
                 f"prompt_filter_reward: {cfg.prompt_filter_reward!r} is not one of this run's reward functions "
@@ -230,6 +238,8 @@ class PODSTrainer:
             self._rollout_source(state, in_flight) as rollouts,
         ):
             progress.message(f"rollout engine: {cfg.rollout_engine} ({self.engine_reason})")
+            if self.no_held_out:
+                progress.message(self.no_held_out)
             if self.batches_sampled_again:
                 progress.message(
                     f"{self.batches_sampled_again} batch(es) in flight in the checkpoint were sampled more than "
@@ -290,14 +300,14 @@ class PODSTrainer:
                                everything.per_function, update, trained_groups=groups.trained,
                                epoch=self.prompts.epoch(state.prompts_drawn),
                                learning_rate=self.scheduler.get_last_lr()[0],
-                               accuracy_name=reward_name(self.accuracy_fn))  # fmt: skip
+                               accuracy_name=self.accuracy_name)  # fmt: skip
         metrics.update(stage_metrics(cfg, acc, sampled, groups, chosen, trained), **batch.skip_metrics)
         if self.config.async_generation:
             metrics.update(async_metrics(batch))
             metrics["pods/async/batches_sampled_again"] = self.batches_sampled_again  # once, after a resume
             self.batches_sampled_again = 0
         if self.auto:  # num_generations: auto observes the step's successes and timings
-            rows = observe_for_auto(self.auto, acc, state.step, batch, timer, reward_name(self.accuracy_fn))
+            rows = observe_for_auto(self.auto, acc, state.step, batch, timer, self.accuracy_name)
             for row in rows:
                 self.auto_log.append(row)
         return metrics
@@ -523,6 +533,9 @@ class PODSTrainer:
         if not cfg.eval_at_start and cfg.eval_every_seconds is None and not cfg.eval_at_seconds:
             return None
         if cfg.dataset_name is not None:
+            self.no_held_out = no_held_out_evaluation(cfg)  # a single file: trained on, nothing held out
+            if self.no_held_out:
+                return None
             return dataset_rows(cfg, cfg.dataset_test_split, tokenizer=self.tokenizer, limit=cfg.eval_limit)
         from pods.data import load_task
 

@@ -28,7 +28,14 @@ from pods.data.common import (
 )
 from pods.prompts import render_prompt
 
-__all__ = ["build_prompt", "dataset_splits", "fill_template", "load_dataset_rows", "read_split"]
+__all__ = [
+    "build_prompt",
+    "dataset_splits",
+    "fill_template",
+    "load_dataset_rows",
+    "read_split",
+    "with_every_column",
+]
 
 _FIELD = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids")  # every other column reaches rewards as is
@@ -61,8 +68,31 @@ def read_split(name: str, split: str, config: str | None = None) -> list[Record]
         dataset = _hub_dataset(name, config)[split]
         return [(f"{name}[{split}] row {i}", dict(row)) for i, row in enumerate(dataset)]
     path = _existing(name, config)
-    files = [path] if path.is_file() else split_files(path, split)
+    files = [path] if path.is_file() else _one_config_files(path, split, name)
     return [record for file in files for record in read_file(file)]
+
+
+def _one_config_files(folder: Path, split: str, name: str) -> list[Path]:
+    """``split``'s files in a folder without ``dataset_config``: those of one configuration. Files in several
+    sub-folders (one per configuration, as a Hub snapshot lays them out) are refused, as ``datasets`` refuses a
+    dataset with several configurations and no config name, instead of training on all of them merged."""
+    files = split_files(folder, split)
+    configs = sorted({_config_of(folder, file) for file in files})
+    if len(configs) > 1:
+        where = ", ".join(c or "(the folder itself)" for c in configs)
+        example = next(c for c in configs if c)
+        raise TaskDataError(
+            f"dataset_name {name!r} holds split {split!r} in {len(configs)} configurations ({where}); pick one "
+            f"with dataset_config (--dataset_config {example})"
+        )
+    return files
+
+
+def _config_of(folder: Path, file: Path) -> str:
+    """The configuration a split file belongs to: its sub-folder under ``folder``, as ``dataset_config`` names it
+    ('' for the folder's own files and for ``data/``, where a Hub snapshot of one configuration keeps them)."""
+    where = file.parent.relative_to(folder).as_posix()
+    return "" if where in (".", "data") else where
 
 
 def fill_template(template: str, row: dict[str, Any], where: str = "") -> str:
@@ -169,6 +199,7 @@ def load_dataset_rows(
             chat=prompt_style == "chat",
         )
         rows.append(row)
+    rows = with_every_column(rows)
     if shuffle:
         random.Random(seed).shuffle(rows)
     if tokenizer is not None and rows:
@@ -178,6 +209,13 @@ def load_dataset_rows(
         lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
         rows = [row for row, n in zip(rows, lengths, strict=True) if n <= max_prompt_tokens]
     return rows if limit is None else rows[:limit]
+
+
+def with_every_column(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every row with every column of the split, None where a row lacks it (as ``datasets`` fills a JSONL whose
+    rows have different keys), so that every batch hands each reward function the same keywords."""
+    columns = dict.fromkeys(key for row in rows for key in row)
+    return [{key: row.get(key) for key in columns} for row in rows]
 
 
 def _is_file(name: str) -> bool:

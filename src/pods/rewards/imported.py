@@ -74,7 +74,8 @@ def _load_file(where: str, spec: str, key: str) -> Any:
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # before running it: dataclasses and pickle look the module up by name
-    sys.path.insert(0, str(path.parent))  # so the file may import its neighbours
+    if str(path.parent) not in sys.path:  # its neighbours importable, also inside the function when it scores
+        sys.path.insert(0, str(path.parent))  # (TRL's script likewise keeps the current folder on the path)
     try:
         module_spec.loader.exec_module(module)
     except Exception as error:
@@ -82,8 +83,6 @@ def _load_file(where: str, spec: str, key: str) -> Any:
         raise RewardImportError(
             f"{key}: importing {path} failed ({type(error).__name__}: {_first_line(error)}); fix the file"
         ) from error
-    finally:
-        sys.path.remove(str(path.parent))
     return module
 
 
@@ -98,6 +97,13 @@ class ImportedReward:
         self.spec = spec
         self.function = import_function(spec, key)
         self.__name__ = getattr(self.function, "__name__", type(self.function).__name__)
+
+    @property
+    def qualified_name(self) -> str:
+        """The module and the function, as TRL's dotted spelling writes them: ``a.reward`` for ``a.py:reward``."""
+        where, _, name = self.spec.rpartition(":") if ":" in self.spec else self.spec.rpartition(".")
+        module = Path(where).stem if where.endswith(".py") else where
+        return f"{module}.{name}"
 
     def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> Any:
         if prompts and isinstance(prompts[0], list):

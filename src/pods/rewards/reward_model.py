@@ -4,12 +4,13 @@ the process that scores (the trainer's, or the rollout worker's)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from pods.errors import ConfigError
 
-__all__ = ["RewardModel"]
+__all__ = ["RewardModel", "position_limit", "process_device"]
 
 
 class RewardModel:
@@ -36,6 +37,9 @@ class RewardModel:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         # the model scores the last token that is not padding
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        # a text longer than the model's positions keeps its end (the completion), which the score is read from
+        self.max_length = position_limit(self.model.config, self.tokenizer)
+        self.tokenizer.truncation_side = "left"
         self.device: Any = None
 
     def texts(self, prompts: list[Any], completions: list[Any]) -> list[str]:
@@ -58,12 +62,9 @@ class RewardModel:
     def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
         import torch
 
-        if self.device is None:  # the scoring process's device, known only once it runs
-            self.device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if torch.cuda.is_available()
-                else torch.device("cpu")
-            )
+        if self.device is None:  # the scoring process's device, known only once it runs (maybe on a thread)
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            self.device = torch.device(process_device(gpus, os.environ.get("LOCAL_RANK")))
             self.model.to(self.device)
         texts, scores = self.texts(prompts, completions), []
         for start in range(0, len(texts), self.batch_size):
@@ -73,6 +74,8 @@ class RewardModel:
                 padding=True,
                 padding_side="right",
                 add_special_tokens=False,
+                truncation=self.max_length is not None,
+                max_length=self.max_length,
             ).to(self.device)
             with torch.inference_mode():
                 scores += self.model(**inputs).logits[:, 0].float().tolist()
@@ -87,3 +90,24 @@ class RewardModel:
 
 def _rebuild(name_or_path: str, batch_size: int) -> RewardModel:
     return RewardModel(name_or_path, batch_size=batch_size)
+
+
+def position_limit(model_config: Any, tokenizer: Any) -> int | None:
+    """The most tokens the model reads: its position embeddings, or its tokenizer's ``model_max_length`` where
+    that is smaller (a RoBERTa's 514 positions hold 512 tokens); None where neither says."""
+    limits = (
+        getattr(model_config, "max_position_embeddings", None),
+        getattr(tokenizer, "model_max_length", None),
+    )
+    known = [n for n in limits if isinstance(n, int) and 0 < n < 10**8]  # a tokenizer without one says 10**30
+    return min(known) if known else None
+
+
+def process_device(gpus: int, local_rank: str | None) -> str:
+    """The device a process's reward model runs on: its own GPU, ``cuda:LOCAL_RANK``, where it sees several (each
+    rank of ``accelerate launch``); ``cuda:0`` where it sees one (a rollout worker sees its GPU alone); else the CPU.
+    Read from the environment because the scoring may run on a thread, where CUDA's current device is always 0."""
+    if gpus == 0:
+        return "cpu"
+    rank = int(local_rank) if local_rank and local_rank.isdigit() else 0
+    return f"cuda:{rank if rank < gpus else 0}"
