@@ -769,9 +769,10 @@ def test_trainer_needs_a_pods_config(tiny_model_dir, prompts, tmp_path) -> None:
 @pytest.mark.slow
 def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path) -> None:
     """accelerate launch, 2 CPU processes (gloo). ``--cpu --num_processes 2`` starts ONE process in
-    accelerate 1.16, so we launch through torchrun (``--multi_gpu``) with CUDA hidden. Two modes in one launch:
+    accelerate 1.16, so we launch through torchrun (``--multi_gpu``) with CUDA hidden. Three modes in one launch:
     plain, then with the prompt filter and GRESO (every process refills the same number of rounds and trains
-    on its own groups)."""
+    on its own groups), then a chunk of kept rows that weighs nothing on one process alone under FSDP2 (both
+    still run its forward: each gathers parameters with the other)."""
     script = REPO_ROOT / "tests" / "scripts" / "trl_two_process.py"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
@@ -786,7 +787,7 @@ def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path) -> None:
         "0",
     ]
     result = subprocess.run(
-        [*command, str(script), str(tiny_model_dir), str(tmp_path), "plain,stages"],
+        [*command, str(script), str(tiny_model_dir), str(tmp_path), "plain,stages,masked_chunk"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -794,9 +795,9 @@ def test_two_processes_keep_groups_local(tiny_model_dir, tmp_path) -> None:
         cwd=REPO_ROOT,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for mode in ("plain", "stages"):
+    for mode, checks in (("plain", 2), ("stages", 2), ("masked_chunk", 1)):
         for rank in (0, 1):
-            line = f"PODS-TWO-PROCESS-OK rank={rank} mode={mode} checks=2"
+            line = f"PODS-TWO-PROCESS-OK rank={rank} mode={mode} checks={checks}"
             assert line in result.stdout, result.stdout[-3000:]
 
 

@@ -1,11 +1,15 @@
 """Two-process PODS-in-TRL check, run by tests/test_trl.py as:
 ``accelerate launch --multi_gpu --num_processes 2 tests/scripts/trl_two_process.py MODEL_DIR OUTPUT_DIR MODES``,
-MODES being ``plain``, ``stages`` or ``plain,stages`` (one after the other in the same processes: one launch).
+MODES being ``plain``, ``stages``, ``masked_chunk`` or several, comma-separated (one after the other in the same
+processes: one launch).
 
 Each mode trains 2 steps and asserts, on every process and step, that each group of n inputs is one prompt
 (groups are process-local), that the processes hold different prompts, and that m of each n rows come back.
 With ``stages``, the prompt filter and GRESO are on and half the prompts give all-equal rewards: both
 processes run the same number of generation rounds and each trains on its own groups that passed.
+With ``masked_chunk``, the kept rows' packed log-probs (:func:`pods.integrations.trl.fused_packed_logps`) of a model
+that FSDP2 shards over the two processes, whose chunk weighs nothing on process 0 alone: both run one forward
+(each gathers the parameters with the other; on 845c824 gloo aborts with a collective mismatch).
 Prints ``PODS-TWO-PROCESS-OK rank=R mode=MODE checks=K`` for each mode that passed.
 """
 
@@ -14,12 +18,13 @@ from __future__ import annotations
 import sys
 
 import torch
+from accelerate import PartialState
 from accelerate.utils import gather_object
 from datasets import Dataset
 
 from pods.advantages import group_advantages, zero_variance_groups
 from pods.distributed import close_process_group
-from pods.integrations.trl import PODSConfig, PODSTrainer
+from pods.integrations.trl import PODSConfig, PODSTrainer, fused_packed_logps
 from pods.prompt_filter import fill_groups
 from pods.selection import select
 
@@ -93,7 +98,10 @@ def main(model_dir: str, output_dir: str, modes: list[str]) -> None:
     global STAGES
     for mode in modes:
         STAGES = mode == "stages"
-        rank, checks = train_two_steps(model_dir, f"{output_dir}/{mode}")
+        if mode == "masked_chunk":
+            rank, checks = masked_chunk_forwards(model_dir)
+        else:
+            rank, checks = train_two_steps(model_dir, f"{output_dir}/{mode}")
         print(f"PODS-TWO-PROCESS-OK rank={rank} mode={mode} checks={checks}", flush=True)
     close_process_group()
 
@@ -130,6 +138,35 @@ def train_two_steps(model_dir: str, output_dir: str) -> tuple[int, int]:
     assert any("pods/reward_kept" in log for log in trainer.state.log_history)
     assert not STAGES or max(trainer.rounds) > 1, f"no refill round ran: {trainer.rounds}"
     return trainer.accelerator.process_index, trainer.checks
+
+
+def masked_chunk_forwards(model_dir: str) -> tuple[int, int]:
+    """One chunk's packed log-probs under FSDP2, all its rows weighing nothing on process 0 only; (rank, 1) once
+    both processes ran one forward and process 1's log-probs are real (0 where nothing weighs)."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    rank = PartialState(cpu=True).process_index  # the process group (up already after another mode)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    add_fused_lm_head(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    forwards = [0]
+    model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, model.config.vocab_size, (4, 5), generator=generator)
+    completion_ids = torch.randint(3, model.config.vocab_size, (4, 6), generator=generator)
+    weighs = torch.full((4, 6), rank, dtype=torch.long)  # process 0: a chunk of rows trained without
+    with torch.no_grad():
+        logps = fused_packed_logps(
+            model, [prompt_ids, torch.ones_like(prompt_ids), completion_ids, weighs], 64
+        )
+    counts = gather_object([forwards[0]])
+    assert counts == [1, 1], f"forwards per process: {counts}"
+    assert bool((logps != 0).all()) == bool(rank) and not bool(logps[weighs == 0].any()), logps
+    return rank, 1
 
 
 if __name__ == "__main__":
