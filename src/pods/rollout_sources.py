@@ -13,6 +13,7 @@ worker reads the end of its pipe, and the kernel kills it: ``PR_SET_PDEATHSIG``)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from pods.pipes import NOTHING, PeerGone, link_pair
 from pods.producer import ProducedBatch, Producer, ProducerState, seed_step
 from pods.rollout_worker import (
     POLL_SECONDS,
+    STOP_SIGNAL,
     GroupAddress,
     WorkerSpec,
     check_picklable,
@@ -39,6 +41,7 @@ from pods.rollout_worker import (
     trainable_parameters,
     vllm_options,
     worker_main,
+    worker_signals_blocked,
 )
 from pods.weight_sync import TensorLayout, WeightSender, resolve_placement, weights_store
 
@@ -168,7 +171,8 @@ class WorkerRollouts:
         context = torch.multiprocessing.get_context("spawn")
         self.link, child_ends = link_pair(context)
         self.process = context.Process(target=worker_main, args=(spec, weights, *child_ends), daemon=True)
-        self.process.start()
+        with worker_signals_blocked():  # a group's SIGTERM or Ctrl-C during its start-up is the trainer's
+            self.process.start()
         for end in child_ends:  # the worker holds the only copies now: its death closes the pipes
             end.close()
         self.worker_pid = self.process.pid
@@ -211,13 +215,14 @@ class WorkerRollouts:
         return [self.ready[t] for t in wanted]
 
     def close(self) -> None:
-        """Stop the worker (its pipes closed, then SIGTERM: it stops its engine and exits; killed if it has not
-        within CLOSE_SECONDS), give the trainer back its cores and threads."""
+        """Stop the worker (its pipes closed, then :data:`STOP_SIGNAL`: it stops its engine and exits; killed if it
+        has not within CLOSE_SECONDS), give the trainer back its cores and threads."""
         if self.process is None:
             return
         self.link.close()
         if self.process.is_alive():
-            self.process.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.worker_pid, STOP_SIGNAL)
             self.process.join(CLOSE_SECONDS)
         if self.process.is_alive():
             self.process.kill()
@@ -246,14 +251,18 @@ class WorkerRollouts:
 
     def take(self, step: int, should_stop: Callable[[], bool] | None = None) -> ProducedBatch | None:
         """The batch of ``step``, waiting for the worker if need be (None if ``should_stop()`` turns true while
-        waiting)."""
+        waiting). It stays in ``ready`` until the next step's is taken: a checkpoint saved before its update (the
+        last completed step, as ``prompt_filter_exhausted: error`` saves) holds it, and the worker never sends it
+        again."""
         while step not in self.ready:
             if should_stop is not None and should_stop():
                 self.abandoned = True  # a checkpoint now cannot wait for the batches in flight
                 return None
             fault_point("trainer_waiting_for_rollouts", kill=self.kill)
             self._receive(POLL_SECONDS)
-        return self.ready.pop(step)
+        for trained in [t for t in self.ready if t < step]:
+            del self.ready[trained]
+        return self.ready[step]
 
     def _write(self, version: int, num_generations: int) -> None:
         """Copy the trainable weights where the worker reads them (shared memory, or the sender's staging buffers,

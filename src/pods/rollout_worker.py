@@ -17,7 +17,10 @@ Everything the worker needs travels in a :class:`WorkerSpec` (pickled: reward fu
 functions or picklable objects). The worker and the trainer (:class:`pods.rollout_sources.WorkerRollouts`) talk
 over two pipes (:mod:`pods.pipes`): the trainer says which weights version it published, the worker says when it
 has read them, sends its batches and reports its own error. The worker dies with the trainer (the pipes' end, and
-``PR_SET_PDEATHSIG``), ignores SIGINT (the trainer stops it) and stops its engine on SIGTERM.
+``PR_SET_PDEATHSIG``) and stops its engine when the trainer asks (:data:`STOP_SIGNAL`). It ignores SIGTERM and
+SIGINT: sent to the whole process group (Ctrl-C in a terminal, ``kill -TERM -PGID``, a scheduler's stop) they reach
+the trainer too, which finishes its step, saves the batches in flight and then stops the worker. It starts with
+them blocked (:func:`worker_signals_blocked`), so that one sent while it is still starting up cannot kill it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from pods.weight_sync import TensorLayout, WeightReceiver, weights_store
 
 __all__ = [
     "IN_FLIGHT_FILE",
+    "STOP_SIGNAL",
     "BehaviourLogprobs",
     "GroupAddress",
     "WorkerSpec",
@@ -63,11 +67,14 @@ __all__ = [
     "visible_gpu",
     "vllm_options",
     "worker_main",
+    "worker_signals_blocked",
 ]
 
 IN_FLIGHT_FILE = "rollouts_in_flight.pt"  # in a checkpoint: the batches its weights could not sample again
 POLL_SECONDS = 0.5  # the longest either side (trainer, worker) waits without checking that the other is alive
 SERVER_LOG_FILE = "vllm_server.log"  # in the run folder: the log of a vLLM server pods started
+STOP_SIGNAL = signal.SIGUSR1  # how the trainer asks its worker to stop (SIGTERM and SIGINT are the group's)
+GROUP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the worker leaves these to the trainer
 
 
 def sampler_version(step: int, max_staleness: int, sync_every: int, first: int = 0) -> int:
@@ -210,10 +217,12 @@ def worker_main(
 ) -> None:
     """The worker process: build its own policy copy, engine and producer, then for each step in turn wait for
     the weights its batch is sampled by, load them, run stages 0-2 and send the batch. It ends when the trainer
-    closes the link or sends SIGTERM (its engine stopped first), and reports any error of its own."""
+    closes the link or sends :data:`STOP_SIGNAL` (its engine stopped first), and reports any error of its own."""
     die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops the worker (Ctrl-C reaches both)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    for signum in GROUP_SIGNALS:  # the trainer stops the worker once it has saved what it must
+        signal.signal(signum, signal.SIG_IGN)  # (one that came while starting, blocked, is dropped)
+    signal.signal(STOP_SIGNAL, _exit_when_asked)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (*GROUP_SIGNALS, STOP_SIGNAL))
     _no_shared_locks()
     link = Link(incoming, outgoing)
     try:
@@ -228,8 +237,24 @@ def worker_main(
         raise SystemExit(1) from None
 
 
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
+def _exit_when_asked(signum: int, frame: Any) -> None:
     raise SystemExit(0)
+
+
+@contextlib.contextmanager
+def worker_signals_blocked() -> Any:
+    """Start the worker inside this (in the trainer): the signals it handles are blocked in this thread meanwhile,
+    so that it inherits them blocked until :func:`worker_main` has set its own handling; the trainer's own
+    pending ones arrive at the end."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # started by the worker's start otherwise, it would unblock SIGTERM and SIGINT
+    signals = (*GROUP_SIGNALS, STOP_SIGNAL)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _no_shared_locks() -> None:

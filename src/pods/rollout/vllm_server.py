@@ -471,10 +471,13 @@ def server_log_cause(path: str) -> str:
 
 
 def _stop(process: subprocess.Popen | None, folder: str) -> None:
-    """Stop a server's whole process group (SIGTERM; its guard kills what is left after 2 s) and remove its folder."""
+    """Stop a server's whole process group and remove its folder: SIGTERM to its guard, which stops the group
+    (SIGTERM once, SIGKILL to what is left after 2 s); the group SIGKILLed if the guard has not ended in 20 s."""
     if process is not None and process.poll() is None:
         try:
-            os.killpg(process.pid, signal.SIGTERM)
+            process.send_signal(
+                signal.SIGTERM
+            )  # the guard alone: the server gets one SIGTERM, from the guard
             process.wait(timeout=20)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             if process.poll() is None:
