@@ -241,6 +241,8 @@ def test_pods_train_on_a_single_file_with_two_rewards_of_one_name(tmp_path: Path
     assert metrics["rewards/a.reward/mean"] == 0.5  # all 8 rows in the step: every other one without its hint
     assert "no held-out evaluation: dataset_name 'd.jsonl' has no split 'test'" in result.stderr
     assert "Setting accelerator" not in result.stdout + result.stderr
+    assert "No artists with labels" not in result.stderr  # the plot of a run without evaluations has no legend
+    assert "(per step)\n" in result.stdout  # and its summary names no eval.jsonl
 
     failed = run_pods_train(tmp_path, "--reward_funcs", "a.py:reward", "b.py:reward", "--progress", "false",
                             "--prompt_filter_reward", "reward")  # fmt: skip

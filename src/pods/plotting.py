@@ -69,7 +69,8 @@ def plot_runs(
         axes[1, column].set(xlabel=x_label, ylabel="mean reward of all n rollouts (smoothed)")
         for row in range(2):
             axes[row, column].grid(alpha=0.3)
-            axes[row, column].legend(fontsize=8)
+            if axes[row, column].get_legend_handles_labels()[0]:  # a run without evaluations: nothing to name
+                axes[row, column].legend(fontsize=8)
     figure.tight_layout()
     output = Path(output)
     figure.savefig(output, dpi=110)

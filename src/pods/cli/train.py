@@ -59,8 +59,10 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
             f"({100 * (last['accuracy'] - first['accuracy']):+.1f} points)"
         )
     print(f"Run folder:  {result.output_dir}")
+    evals = result.output_dir / "eval.jsonl"  # empty where nothing was held out (a single data file)
     print(
-        f"Metrics:     {result.output_dir / 'metrics.jsonl'} (per step), {result.output_dir / 'eval.jsonl'} (evaluations)"
+        f"Metrics:     {result.output_dir / 'metrics.jsonl'} (per step)"
+        + (f", {evals} (evaluations)" if evals.is_file() and evals.stat().st_size else "")
     )
     if result.checkpoint:
         print(f"Checkpoint:  {result.checkpoint} (model for `pods eval`: {result.checkpoint / 'model'})")
