@@ -91,6 +91,23 @@ def test_a_folder_of_several_configurations_needs_dataset_config(tmp_path: Path)
     assert [row["prompt"] for row in load_dataset_rows(str(tmp_path / "one"), "train")] == ["x"]
 
 
+def test_a_hub_dataset_of_several_configurations_names_them(tmp_path: Path) -> None:
+    """``datasets`` refuses a repository of several configurations, none the default, in three lines: one line
+    names them and dataset_config instead of "the Hub is offline" (a local repository with the Hub's README)."""
+    from pods.data.user import _hub_dataset
+
+    configs = [
+        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train.jsonl" for c in "xy"
+    ]
+    for config in ("x", "y"):
+        write_jsonl(tmp_path / config / "train.jsonl", [{"prompt": config}])
+    (tmp_path / "README.md").write_text("---\nconfigs:\n" + "\n".join(configs) + "\n---\n")
+    with pytest.raises(
+        TaskDataError, match=r"has several configurations \(\['x', 'y'\]\) and none is the default"
+    ):
+        _hub_dataset(str(tmp_path), None)
+
+
 def test_a_single_file_trains_without_held_out_evaluation(tmp_path: Path) -> None:
     """A single file is the split ``train``: with ``dataset_test_split`` at its default, the run trains and says in
     one line that nothing is held out (TRL's script trains on it and evaluates on nothing); a test split that is
@@ -241,7 +258,9 @@ def test_pods_train_on_a_single_file_with_two_rewards_of_one_name(tmp_path: Path
     assert metrics["rewards/a.reward/mean"] == 0.5  # all 8 rows in the step: every other one without its hint
     assert "no held-out evaluation: dataset_name 'd.jsonl' has no split 'test'" in result.stderr
     assert "Setting accelerator" not in result.stdout + result.stderr
-    assert "No artists with labels" not in result.stderr  # the plot of a run without evaluations has no legend
+    assert (
+        "No artists with labels" not in result.stderr
+    )  # the plot of a run without evaluations has no legend
     assert "(per step)\n" in result.stdout  # and its summary names no eval.jsonl
 
     failed = run_pods_train(tmp_path, "--reward_funcs", "a.py:reward", "b.py:reward", "--progress", "false",

@@ -253,6 +253,12 @@ def _hub_dataset(name: str, config: str | None) -> Any:
     try:
         loaded = datasets.load_dataset(name, config)
     except Exception as error:
+        configs = _configs_to_pick(error)
+        if configs is not None:  # several configurations, none the default: datasets' message on three lines
+            raise TaskDataError(
+                f"dataset_name {name!r} has several configurations ({configs}) and none is the default; pick one "
+                "with dataset_config (--dataset_config NAME)"
+            ) from error
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
         reason = (
             "the Hub is offline (HF_HUB_OFFLINE=1) and it is not cached" if offline else "it cannot be loaded"
@@ -267,3 +273,11 @@ def _hub_dataset(name: str, config: str | None) -> Any:
         raise TaskDataError(message) from error
     _HUB_CACHE[name, config] = loaded
     return loaded
+
+
+def _configs_to_pick(error: Exception) -> str | None:
+    """The configurations ``datasets`` lists when a dataset of several is loaded without a name, else None."""
+    found = re.search(
+        r"Config name is missing\.\s*Please pick one among the available configs: (\[.*?\])", str(error)
+    )
+    return found.group(1) if found else None
