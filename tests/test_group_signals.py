@@ -154,12 +154,17 @@ def assert_stopped_with_resume_command(code: int, signum: int, output: Path, std
     return shlex.split(stderr.split("Continue this run with:")[1].strip().splitlines()[0])
 
 
-def descendants_left(pid: int) -> list[str]:
-    """Processes of a run (by its session) still alive after it ended."""
+def tagged_env(tag: str) -> dict[str, str]:
+    """The environment of a run whose processes (a vLLM server in a session of its own too) carry ``tag``."""
+    return {**CLI_ENV, "PODS_TEST_TAG": tag}
+
+
+def processes_left(tag: str) -> list[str]:
+    """The command lines of a run's processes still alive (they inherit its environment's tag)."""
     left = []
-    for process in psutil.process_iter(["pid"]):
+    for process in psutil.process_iter():
         try:
-            if os.getsid(process.pid) == pid and process.status() != psutil.STATUS_ZOMBIE:
+            if process.environ().get("PODS_TEST_TAG") == tag and process.status() != psutil.STATUS_ZOMBIE:
                 left.append(" ".join(process.cmdline()))
         except (psutil.Error, OSError):
             continue
@@ -174,17 +179,16 @@ def test_a_group_sigterm_to_an_async_run_checkpoints_its_batches_in_flight_and_t
     end at once (the trainer reported it "died with exit code 0" and exited 2); the checkpoint holds the batch in
     flight (max_staleness 1: the batch of the next step, sampled by older weights); the printed command resumes
     from it and trains on."""
-    output = tmp_path / "run"
-    process = start(
-        pods_train(tiny_model_dir, output, **ASYNC, max_steps=30), output, CLI_ENV, start_new_session=True
-    )
+    output, tag = tmp_path / "run", f"async-sigterm-{tmp_path.name}"
+    command = pods_train(tiny_model_dir, output, **ASYNC, max_steps=30)
+    process = start(command, output, tagged_env(tag), start_new_session=True)
     code = signal_group_after_step(process, output / "metrics.jsonl", signal.SIGTERM)
     _, stderr = outputs(process)
     command = assert_stopped_with_resume_command(code, signal.SIGTERM, output, stderr)
     stopped_at = read_jsonl(output / "metrics.jsonl")[-1]["step"]
     [checkpoint] = list_checkpoints(output / "checkpoints")
     assert [batch.step for batch in load_in_flight(checkpoint)] == [stopped_at]
-    assert not descendants_left(process.pid)
+    wait_for(lambda: not processes_left(tag), f"processes left: {processes_left(tag)}", 30)
     assert command[:2] == ["pods", "train"] and command[-2:] == ["--resume_from", "auto"]
     resumed = [sys.executable, "-m", "pods", *command[1:], f"--max_steps={stopped_at + 2}"]
     result = subprocess.run(resumed, capture_output=True, text=True, env=CLI_ENV, timeout=PATIENCE_S)
@@ -202,3 +206,28 @@ def test_a_group_sigint_to_a_sync_run_stops_it_after_the_step(tiny_model_dir: Pa
     process = start(pods_train(tiny_model_dir, output, max_steps=30), output, CLI_ENV, start_new_session=True)
     code = signal_group_after_step(process, output / "metrics.jsonl", signal.SIGINT)
     assert_stopped_with_resume_command(code, signal.SIGINT, output, outputs(process)[1])
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random test model with head size 32 (vLLM's CPU attention has no kernel for size 8)."""
+    from pods.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-vllm-model"), hidden_size=64, num_heads=2)
+
+
+@pytest.mark.slow
+def test_a_group_sigint_to_an_async_run_with_a_vllm_server_stops_it_and_the_server(
+    tiny_vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C on an async run in server mode (the worker starts the server, in a session of its own): the same
+    stop, with the batch in flight in the checkpoint, and no process of the run left, the server's included."""
+    output, tag = tmp_path / "run", f"server-sigint-{tmp_path.name}"
+    settings = {**ASYNC, "rollout_engine": "vllm", "vllm_mode": "server", "vllm_cpu_kv_cache_gb": 0.25}
+    command = pods_train(tiny_vllm_model_dir, output, **settings, max_steps=30)
+    process = start(command, output, tagged_env(tag), start_new_session=True)
+    code = signal_group_after_step(process, output / "metrics.jsonl", signal.SIGINT)
+    assert_stopped_with_resume_command(code, signal.SIGINT, output, outputs(process)[1])
+    [checkpoint] = list_checkpoints(output / "checkpoints")
+    assert [batch.step for batch in load_in_flight(checkpoint)] == [checkpoint_step(checkpoint)]
+    wait_for(lambda: not processes_left(tag), f"processes left: {processes_left(tag)}", 30)
