@@ -15,6 +15,7 @@ from pods.architectures import row_plan
 from pods.checkpoint import TrainerState
 from pods.config import TrainConfig
 from pods.loss import completion_logprobs
+from pods.models import enable_checkpointing
 from pods.packing import (
     attention_implementation,
     attention_mask,
@@ -357,7 +358,7 @@ def test_the_packed_update_equals_the_unpacked_one_with_lora_and_gradient_checkp
     from pods.models import add_lora
 
     model = tiny("qwen2", "sdpa")
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     model.config.use_cache = False
     model = add_lora(model, TrainConfig(lora_r=4, lora_alpha=8))
     for name, parameter in model.named_parameters():  # LoRA's B starts at 0: make the adapter do something

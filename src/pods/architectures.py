@@ -19,6 +19,7 @@ forwards are the same collectives everywhere (ZeRO-3 and FSDP gather parameters 
 
 from __future__ import annotations
 
+import inspect
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ __all__ = [
     "VERIFIED_MODEL_TYPES",
     "RowPlan",
     "base_model",
+    "cache_keyword",
     "row_plan",
 ]
 
@@ -97,6 +99,13 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a model's forward and ``generate`` take a cache by: ``cache`` from transformers 5.2x on,
+    ``past_key_values`` before (deprecated since, removed in 5.40 for forward and 6.0 for generate)."""
+    forward = inspect.signature(base_model(model).forward).parameters
+    return "cache" if "cache" in forward else "past_key_values"
 
 
 def row_plan(model: torch.nn.Module, *, check: bool = True) -> RowPlan:
@@ -283,8 +292,8 @@ def _prefill_difference(model: torch.nn.Module, rows: tuple[Tensor, ...], tolera
             input_ids=ids[:, -1:],
             attention_mask=mask,
             position_ids=positions[:, -1:],
-            past_key_values=cache,
             use_cache=True,
+            **{cache_keyword(model): cache},
         ).logits[:, -1]
         full = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[
             :, -1

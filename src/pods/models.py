@@ -119,7 +119,7 @@ def _build_policy(config: TrainConfig) -> Policy:
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
         model.config.use_cache = False
     if config.lora_r > 0:
         model = add_lora(model, config)
@@ -157,6 +157,13 @@ def add_lora(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
         return get_peft_model(model, lora)
     except ValueError as error:
         raise ConfigError(f"lora_target_modules: {error}") from None
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Activation (gradient) checkpointing under the name this transformers has: ``activation_checkpointing_enable``
+    from 5.2x on, ``gradient_checkpointing_enable`` before (deprecated since, removed in 6)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
 
 
 def load_reference(config: TrainConfig) -> torch.nn.Module:

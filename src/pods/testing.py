@@ -142,8 +142,8 @@ ZOO_CONFIGS: dict[str, dict] = {
         "num_experts_per_tok": 2,
     },
 }
-# gpt-oss's attention sinks run in eager attention only
-ZOO_ATTENTION = {"gpt_oss": "eager"}
+# gpt-oss's attention sinks run in eager attention only; transformers 5.2x runs Gemma 2 in eager only
+ZOO_ATTENTION = {"gpt_oss": "eager", "gemma2": "eager"}
 
 
 def build_zoo_model(

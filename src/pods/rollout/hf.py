@@ -7,7 +7,7 @@ import weakref
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
-from pods.architectures import row_plan
+from pods.architectures import cache_keyword, row_plan
 from pods.errors import ConfigError
 from pods.rollout.base import (
     Rollouts,
@@ -222,13 +222,17 @@ class HFGenerateEngine:
         inner = _stop_criterion(self.tokenizer, sampling.stop_strings) if sampling.stop_strings else None
         if inner is not None:
             stops = _RecordStops(inner, prompt_length, rows)
-        cache = shared_prefill(self.model, ids, mask, device) if self.share_prefix else None
+        # In lockstep every process prefills inside generate: whether a shared prefill runs (None where no row
+        # repeats) depends on a process's own prompts, and would be a forward of that process alone.
+        lockstep = generation_in_lockstep(self.model)
+        cache = shared_prefill(self.model, ids, mask, device) if self.share_prefix and not lockstep else None
         output = self.model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             generation_config=config,
             stopping_criteria=StoppingCriteriaList([stops]) if stops else None,
-            **({"past_key_values": cache} if cache is not None else {}),
+            synced_gpus=lockstep,
+            **({cache_keyword(self.model): cache} if cache is not None else {}),
         )
         new_tokens = output[:, prompt_length:].cpu()
         width = new_tokens.shape[1]
@@ -239,6 +243,19 @@ class HFGenerateEngine:
         length = torch.minimum(eos_length, stop_length)
         truncated = length > width
         return new_tokens, length.clamp_max(width), truncated
+
+
+def generation_in_lockstep(model: torch.nn.Module) -> bool:
+    """Whether every process must run each generation forward together (``generate``'s ``synced_gpus``, which
+    keeps a process whose rows have ended stepping until all have): the weights are sharded over several
+    processes (DeepSpeed ZeRO-3, FSDP), so each forward gathers them. transformers' own rule, said here."""
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_world_size() == 1:
+        return False
+    return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)
 
 
 def shared_prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, device: torch.device):
@@ -274,8 +291,8 @@ def expand_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, mask: torch.T
         input_ids=prefix_ids,
         attention_mask=prefix_mask,
         position_ids=positions,
-        past_key_values=cache,
         use_cache=True,
+        **{cache_keyword(model): cache},
         **({"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}),  # only the cache is wanted
     )
     cache.reorder_cache(inverse)  # rows may repeat: beam search's reordering, every layer kind's own
