@@ -18,7 +18,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="RL fine-tuning with PODS (default: the embedded arithmetic demo on a CPU, ~5 minutes)",
         description="Train with GRPO + PODS. With no arguments: the embedded CPU demo (configs/embedded.yaml).\n"
         "Your own data and rewards (docs/tasks.md): --dataset_name FILE_FOLDER_OR_HUB_ID\n"
-        "  --reward_funcs '[rewards.py:function, accuracy]', and --prompt_column, --prompt_template,\n"
+        "  --reward_funcs rewards.py:function accuracy, and --prompt_column, --prompt_template,\n"
         "  --answer_column, --reward_model_name_or_path, --accuracy_reward.",
         epilog=_config_keys_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
