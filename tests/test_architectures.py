@@ -158,3 +158,21 @@ def test_one_training_step_with_hf_generate(model_type: str, tmp_path: Path) -> 
     assert result.steps == 1
     changed = [not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True)]
     assert any(changed)
+
+
+@pytest.mark.parametrize("model_type", sorted(PACKS))
+def test_the_trl_drop_in_packs_each_architecture_exactly(model_type: str) -> None:
+    """The drop-in's packed old/reference log-probs (TRL's fused LM head over packed rows, the windows in
+    the mask) equal each row computed whole."""
+    pytest.importorskip("trl")
+    from trl.trainer.utils import add_fused_lm_head
+
+    from pods.integrations.trl import fused_packed_logps
+
+    model = build_zoo_model(model_type)
+    add_fused_lm_head(model)
+    rows = zoo_rows()
+    with torch.no_grad():
+        packed = fused_packed_logps(model, list(rows), token_budget=10**6)
+        whole = whole_row_logprobs(model, rows)
+    assert (packed - whole)[rows[3].bool()].abs().max() <= 1e-5
