@@ -47,10 +47,16 @@ def test_uneven_completion_lengths_run_the_same_forwards_on_every_process_under_
     """Process 1's completions are 7x longer than process 0's: with token_budget 16 its rows plan twice the packed
     forwards. Under each sharding (one launch for the three), every process runs as many forwards (old log-probs
     and both passes), and the weights after the update equal those of a budget large enough for one forward per
-    micro-batch: the padding forwards add nothing to the gradient and the step comes after the last of them."""
+    micro-batch: the padding forwards add nothing to the gradient and the step comes after the last of them.
+
+    In the same launch, HF generation under ZeRO-3: process 1's prompts repeat, process 0's do not, and an
+    evaluation's 3 problems split 2 / 1 over the processes: both run the same forwards (no shared prefill of one
+    process alone; one batch more on process 1, generated but not scored), and the accuracy counts each problem
+    once (1 of the 3 has the answer "a")."""
     pytest.importorskip("deepspeed")
+    cases = [*CASES, "generation"]  # one launch: each process start costs seconds
     code, out, err = launch_two_processes(
-        SCRIPTS / "uneven_ranks.py", str(tiny_model_dir), *CASES, timeout=240
+        SCRIPTS / "uneven_ranks.py", str(tiny_model_dir), *cases, timeout=240
     )
     assert code == 0, err[-3000:]
     lines = [line.split() for line in out.splitlines() if line.startswith("CASE ")]
@@ -68,3 +74,6 @@ def test_uneven_completion_lengths_run_the_same_forwards_on_every_process_under_
             (float(w[3]), float(w[5])) for w in lines if w[1] == case and w[2] == "DIFFERENCE"
         ]
         assert moved > 1e-3 and difference < 1e-6, (case, difference, moved)
+    generation = {int(w[3]): w[4:] for w in lines if w[1] == "generation"}
+    assert generation[0][1] == generation[1][1] and int(generation[0][1]) > 0, generation
+    assert [float(generation[rank][5]) for rank in (0, 1)] == [pytest.approx(1 / 3)] * 2, generation

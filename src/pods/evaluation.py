@@ -87,6 +87,10 @@ def evaluate(
     )
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     rows = [dataset[i] for i in range(rank, len(dataset), world)]
+    scored_rows = len(rows)
+    # Every process generates as many batches of as many rows: with weights sharded over the processes (ZeRO-3,
+    # FSDP) each generation forward is a collective. One row fewer is made up by a repeat that is not scored.
+    rows += [dataset[0]] * (-(-len(dataset) // world) - scored_rows)  # 0 or 1 (none without a row)
     engine = engine or HFGenerateEngine(model, tokenizer, generation_batch_size=batch_size)
     chunked = isinstance(engine, HFGenerateEngine)
     prompts_per_batch = max(1, batch_size // k) if chunked else max(1, len(rows))
@@ -98,6 +102,11 @@ def evaluate(
         chunk = rows[begin : begin + prompts_per_batch]
         rendered = [render_prompt(row["prompt"], tokenizer) for row in chunk]
         rollouts = engine.generate(rendered, k, sampling)
+        if begin + len(chunk) > scored_rows:  # the repeat: generated (in step with the others), not scored
+            chunk = chunk[: max(0, scored_rows - begin)]
+            if not chunk:
+                continue
+            rollouts = rollouts.select(list(range(len(chunk) * k)))
         prompts = [row["prompt"] for row in chunk for _ in range(k)]
         columns = reward_columns(chunk, k)
         pairs = zip(rollouts.completion_ids, rollouts.completion_mask, strict=True)
@@ -108,7 +117,7 @@ def evaluate(
         formatted = torch.tensor([follows_format(text, prompt_style) for text in rollouts.texts])
         totals += torch.stack([correct.sum(), formatted.sum(), (correct & formatted).sum()]).double()
 
-    count = torch.tensor(float(len(rows) * k), dtype=torch.float64)
+    count = torch.tensor(float(scored_rows * k), dtype=torch.float64)
     if accelerator is not None and world > 1:
         sums = accelerator.reduce(torch.cat([totals, count.view(1)]).to(accelerator.device), "sum").cpu()
         totals, count = sums[:3], sums[3]

@@ -10,7 +10,9 @@ old log-probs too) twice from the same weights, with a small budget and with one
 forward per micro-batch, and prints per process ``CASE <case> RANK <r> <distributed type> PLANNED <small> <large>
 FORWARDS <small> <large>`` (forwards planned from its own rows, and forwards its model ran) and, from process 0,
 ``CASE <case> DIFFERENCE <max abs> MOVED <max abs>``: how far the weights after the two updates are apart, and
-how far the update moved them (SGD, learning rate 1: the step is the gradient).
+how far the update moved them (SGD, learning rate 1: the step is the gradient). Case ``generation``: HF
+``generate`` and a greedy evaluation under ZeRO-3 (:func:`generation`), printing ``CASE generation RANK <r>
+FORWARDS <n> ROWS <generated> ACCURACY <evaluated>``.
 """
 
 from __future__ import annotations
@@ -94,23 +96,17 @@ def planned(model: torch.nn.Module, batch: Rollouts, config: TrainConfig) -> int
     )
 
 
-def update(case: str, initial: torch.nn.Module, batch: Rollouts, budget: int) -> tuple[dict, int, int, str]:
-    """(the full weights after one update, on process 0; forwards planned; forwards the model ran; the
-    distributed type that ran it)."""
+def prepared(case: str, model: torch.nn.Module, config: TrainConfig, micro_batches: int) -> tuple:
+    """(accelerator, prepared model, optimizer, forwards counter) for ``case``, as the trainer prepares them."""
     AcceleratorState._reset_state(reset_partial_state=False)  # the process group stays
     for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):  # set by the previous case's Accelerator
         os.environ.pop(key, None)
     gate = DistributedType.MULTI_GPU if case == "fsdp2" else DistributedType.MULTI_CPU
     PartialState._shared_state["distributed_type"] = gate  # accelerate applies FSDP only past this gate
-    config = settings(budget)
-    micro_batches = len(batch) // MICRO_BATCH
     accelerator = Accelerator(
         mixed_precision="no", gradient_accumulation_steps=micro_batches, **plugins(case)
     )
-    model = copy.deepcopy(initial)
-    count = planned(model, batch, config)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     deepspeed_batch_settings(accelerator, MICRO_BATCH, micro_batches, config.max_grad_norm)
     model, optimizer = accelerator.prepare(model, optimizer)
     deepspeed_guards_non_finite_steps(model)
@@ -118,12 +114,54 @@ def update(case: str, initial: torch.nn.Module, batch: Rollouts, budget: int) ->
     accelerator.unwrap_model(model).register_forward_pre_hook(
         lambda *_: forwards.__setitem__(0, forwards[0] + 1)
     )
+    return accelerator, model, optimizer, forwards
+
+
+def update(case: str, initial: torch.nn.Module, batch: Rollouts, budget: int) -> tuple[dict, int, int, str]:
+    """(the full weights after one update, on process 0; forwards planned; forwards the model ran; the
+    distributed type that ran it)."""
+    config = settings(budget)
+    micro_batches = len(batch) // MICRO_BATCH
+    model = copy.deepcopy(initial)
+    count = planned(model, batch, config)
+    accelerator, model, optimizer, forwards = prepared(case, model, config, micro_batches)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     advantages = torch.linspace(-1.0, 1.0, len(batch))
     guard = NonFiniteGuard(TrainerState(), 3, Path("unused"))
     policy_update(accelerator, model, optimizer, scheduler, batch, advantages, config, guard)
     gathered = accelerator.get_state_dict(model) or {}  # a collective; ZeRO-3 gives process 0 alone its dict
     weights = {name: value.detach().clone() for name, value in gathered.items()}
     return weights, count, forwards[0], accelerator.distributed_type.value
+
+
+def answer_is_a(prompts, completions, completion_ids=None, **columns) -> list[float]:
+    """1 for the rows whose answer is "a", whatever the completion: the accuracy counts the rows scored."""
+    return [float(answer == "a") for answer in columns["answer"]]
+
+
+def generation(model_dir: str, initial: torch.nn.Module) -> None:
+    """HF generation on a model ZeRO-3 partitions over the processes (every forward gathers it): 2 prompts each,
+    repeated on process 1 alone (a shared prefill would be its forward alone), then a greedy evaluation of 3
+    problems, one per batch (2 on process 0, 1 on process 1 before the fix)."""
+    from transformers import AutoTokenizer
+
+    from pods.evaluation import evaluate
+    from pods.rollout import HFGenerateEngine, SamplingParams
+
+    accelerator, model, _, forwards = prepared("zero3", copy.deepcopy(initial), settings(LARGE_BUDGET), 1)
+    rank, policy = accelerator.process_index, accelerator.unwrap_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = HFGenerateEngine(policy, tokenizer)
+    torch.manual_seed(rank)  # different draws on each process
+    prompts = ["say a", "say b"] if rank == 0 else ["say a", "say a"]
+    rollouts = engine.generate(prompts, 1, SamplingParams(max_new_tokens=12, temperature=1.5))
+    problems = [{"prompt": f"say {letter}", "answer": letter} for letter in "abc"]
+    result = evaluate(
+        policy, tokenizer, problems, answer_is_a, max_new_tokens=4, batch_size=1, accelerator=accelerator,
+        engine=engine,
+    )  # fmt: skip
+    rows = len(rollouts)
+    say(f"CASE generation RANK {rank} FORWARDS {forwards[0]} ROWS {rows} ACCURACY {result.accuracy:.6f}")
 
 
 def main() -> None:
@@ -141,6 +179,9 @@ def main() -> None:
     initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batch = uneven_rows(rank, initial.config.vocab_size)
     for case in cases:
+        if case == "generation":
+            generation(model_dir, initial)
+            continue
         small, planned_small, ran_small, kind = update(case, initial, batch, SMALL_BUDGET)
         large, planned_large, ran_large, _ = update(case, initial, batch, LARGE_BUDGET)
         counts = f"PLANNED {planned_small} {planned_large} FORWARDS {ran_small} {ran_large}"
