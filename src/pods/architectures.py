@@ -222,7 +222,9 @@ def synthetic_rows(
 
 
 def _vocab_size(model: torch.nn.Module) -> int:
-    return int(base_model(model).get_input_embeddings().weight.shape[0])
+    """The rows of the input embedding (under ZeRO-3 a parameter is empty outside a forward: its ``ds_shape``)."""
+    weight = base_model(model).get_input_embeddings().weight
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
 
 
 def _self_check(model: torch.nn.Module, plan: RowPlan) -> RowPlan:
