@@ -108,21 +108,19 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return "cache" if "cache" in forward else "past_key_values"
 
 
-def row_plan(model: torch.nn.Module, *, check: bool = True) -> RowPlan:
-    """How ``model``'s rows may be computed; decided once per model (the self-check runs on the first call
-    with ``check``) and said on stderr once where packing or the shared prefill is off."""
+def row_plan(model: torch.nn.Module) -> RowPlan:
+    """How ``model``'s rows may be computed: decided once per model and attention implementation (the
+    self-check runs on the first call), and said on stderr once where packing or the shared prefill is off."""
     base = base_model(model)
     implementation = getattr(getattr(base, "config", None), "_attn_implementation", None)
     known = _PLANS.get(base)
     if known is not None and known[0] == implementation:  # planned anew where the attention was changed
         return known[1]
-    plan = _static_plan(base)
-    if check:
-        plan = _self_check(model, plan)
-        _PLANS[base] = (implementation, plan)
-        for what, reason in (("packing", plan.packing_blocker), ("shared prefill", plan.prefill_blocker)):
-            if reason is not None:
-                _say(f"{what} is off for {type(base).__name__}: {reason}")
+    plan = _self_check(model, _static_plan(base))
+    _PLANS[base] = (implementation, plan)
+    for what, reason in (("packing", plan.packing_blocker), ("shared prefill", plan.prefill_blocker)):
+        if reason is not None:
+            _say(f"{what} is off for {type(base).__name__}: {reason}")
     return plan
 
 
@@ -166,12 +164,12 @@ def _windows(config: Any) -> tuple[dict[str, int | None], str | None]:
                 if not isinstance(sliding, int) or sliding < 1:
                     return {"": None}, f"its sliding-attention layers have no sliding_window ({sliding!r})"
                 windows[kind] = sliding
-            else:  # linear attention, convolutions, Mamba, chunked attention: no 4D mask reaches them
+            else:  # linear attention, convolutions, Mamba (a state no mask reaches), chunked attention
                 stateful.append(kind)
         if stateful:
             return {"": None}, (
-                f"its {', '.join(stateful)} layers are not attention under a mask: their state would run from "
-                "one packed segment into the next; each row is computed whole"
+                f"its {', '.join(stateful)} layers are not attention under a packed row's mask: a state would "
+                "run from one packed segment into the next; each row is computed whole"
             )
         return windows, None
     if isinstance(sliding, int) and getattr(config, "use_sliding_window", True) is not False:
