@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -297,6 +300,42 @@ def test_worker_process_kills_a_call_past_its_deadline_and_recovers(tmp_path: Pa
         assert worker.call({"sleep": 0.01}, timeout=10) == {"echo": 0.01}  # a fresh child answers
     finally:
         worker.close()
+
+
+def test_worker_process_outlives_a_signal_to_the_runs_process_group(tmp_path: Path) -> None:
+    """Ctrl-C or scancel signals the run's whole process group: the trainer stops after its step, and the
+    checker child (math-verify's) must still answer for that step, not die with a check in flight."""
+    (tmp_path / "echo_worker.py").write_text(
+        "import json, sys\n"
+        "print(json.dumps({'ready': True}), flush=True)\n"
+        "for line in sys.stdin:\n"
+        "    print(line.strip(), flush=True)\n"
+    )
+    (tmp_path / "owner.py").write_text(
+        "import signal, sys\n"
+        "from pods.rewards.timeouts import WorkerProcess\n"
+        "for stop in (signal.SIGINT, signal.SIGTERM):\n"
+        "    signal.signal(stop, lambda *_: print('stop asked', flush=True))  # a handler: children get the default\n"
+        "worker = WorkerProcess('echo_worker')\n"
+        "print(worker.call({'n': 1}, timeout=30), flush=True)\n"
+        "sys.stdin.readline()\n"
+        "print(worker.call({'n': 2}, timeout=30), flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    owner = subprocess.Popen(
+        [sys.executable, str(tmp_path / "owner.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert owner.stdout.readline().strip() == "{'n': 1}"
+        for stop in (signal.SIGINT, signal.SIGTERM):
+            os.killpg(owner.pid, stop)
+            assert owner.stdout.readline().strip() == "stop asked"
+        out, _ = owner.communicate("go\n", timeout=60)
+        assert out.strip() == "{'n': 2}"  # the child answered after both signals
+    finally:
+        if owner.poll() is None:
+            os.killpg(owner.pid, signal.SIGKILL)
 
 
 def test_worker_process_reports_a_child_that_cannot_start() -> None:

@@ -44,12 +44,16 @@ class WorkerProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+        # A process group of its own: a signal to the run's group (Ctrl-C, scancel) reaches the trainer, which
+        # stops after its step, and not this child, which would fail the check in flight. It still ends with
+        # its parent: its stdin closes.
         self._proc = subprocess.Popen(
             [sys.executable, "-m", self.module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             env=env,
+            process_group=0,
         )
         self._owner_pid = os.getpid()
         self._lines = queue.Queue()
