@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pods.architectures import VERIFIED_MODEL_TYPES, RowPlan, _self_check, row_plan
+from pods.architectures import VERIFIED_MODEL_TYPES, _self_check, row_plan
 from pods.loss import completion_logprobs, plan_forwards
+from pods.model_info import RowPlan
 from pods.rollout.base import SamplingParams
 from pods.rollout.hf import HFGenerateEngine
 from pods.testing import ZOO_CONFIGS, build_tiny_tokenizer, build_zoo_model, save_zoo_model
@@ -102,11 +103,11 @@ def test_packed_logprobs_and_gradients_equal_each_row_whole(model_type: str, cap
         assert capfd.readouterr().err.count(line) == 1
 
 
-@pytest.mark.parametrize(
-    "model_type, dtype",
-    [("mistral", torch.float32), ("gemma2", torch.float32), ("lfm2", torch.float32)]
-    + [("qwen3_5_text", torch.float32), ("mistral", torch.bfloat16), ("gpt_oss", torch.bfloat16)],
-)
+HIDDEN = [("mistral", torch.float32), ("gemma2", torch.float32), ("lfm2", torch.float32)]
+HIDDEN += [("qwen3_5_text", torch.float32), ("mistral", torch.bfloat16), ("gpt_oss", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("model_type, dtype", HIDDEN)
 def test_the_self_check_refuses_what_the_config_hides(model_type: str, dtype: torch.dtype) -> None:
     """A window or a recurrent layer the config does not declare is caught by the self-check's rows: packing
     off, with the measured difference in its line; in bfloat16 too, where rounding alone does not refuse."""

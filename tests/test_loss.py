@@ -186,14 +186,14 @@ def test_completion_logprobs_through_a_ddp_wrapper(tiny, tmp_path):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from pods.loss import _accepts_logits_to_keep
+    from pods.model_info import accepts_logits_to_keep
 
     model, tokenizer = tiny
     _, _, batch = _padded_batch(tokenizer)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         wrapped = DistributedDataParallel(copy.deepcopy(model))
-        assert _accepts_logits_to_keep(wrapped)
+        assert accepts_logits_to_keep(wrapped)
         with torch.no_grad():
             torch.testing.assert_close(
                 completion_logprobs(wrapped, *batch), completion_logprobs(model, *batch)

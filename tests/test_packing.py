@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pods.architectures import row_plan
+from pods.architectures import packing_blocker, row_plan
 from pods.checkpoint import TrainerState
 from pods.config import TrainConfig
 from pods.loss import completion_logprobs
@@ -23,7 +23,6 @@ from pods.packing import (
     forward_slices,
     pack,
     packable,
-    packing_blocker,
 )
 from pods.rollout import Rollouts
 from pods.update import NonFiniteGuard, policy_update

@@ -21,6 +21,7 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from pods.advantages import group_advantages, zero_variance_groups
+from pods.architectures import packing_blocker
 from pods.errors import PromptFilterExhausted
 from pods.integrations.trl import (
     PROMPT_STAGES_STATE_FILE,
@@ -33,7 +34,6 @@ from pods.integrations.trl import (
     summed_rewards,
     take_rows,
 )
-from pods.packing import packing_blocker
 from pods.prompt_filter import PassShare, fill_groups, next_round_size
 from pods.selection import register_rule, select
 

@@ -19,23 +19,23 @@ forwards are the same collectives everywhere (ZeRO-3 and FSDP gather parameters 
 
 from __future__ import annotations
 
-import inspect
 import sys
 import weakref
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = [
-    "CHECK_MAX_TOKENS",
-    "VERIFIED_MODEL_TYPES",
-    "RowPlan",
-    "base_model",
-    "cache_keyword",
-    "row_plan",
-]
+from pods.model_info import (
+    RowPlan,
+    attention_free_types,
+    base_model,
+    cache_keyword,
+    expand_prompt_cache,
+    static_plan,
+)
+from pods.packing import model_mask, pack
+
+__all__ = ["CHECK_MAX_TOKENS", "VERIFIED_MODEL_TYPES", "packing_blocker", "row_plan", "synthetic_rows"]
 
 # Architectures the suite builds (tests/test_architectures.py): packed = each row whole, or packing refused.
 VERIFIED_MODEL_TYPES = frozenset(
@@ -59,12 +59,6 @@ VERIFIED_MODEL_TYPES = frozenset(
     }
 )
 
-# Attention implementations that apply a custom 4D mask exactly (flash-attention kernels take only
-# causal or block-diagonal masks).
-MASKED_ATTENTION = ("eager", "sdpa", "flex_attention")
-# Layer types (transformers' ``config.layer_types``) that are attention and how far back they see.
-FULL_ATTENTION = ("full_attention", "attention")
-SLIDING_ATTENTION = "sliding_attention"
 # The self-check's synthetic rows stay this short; a longer window is not exercised by it (the suite's
 # architecture zoo checks the window mechanism on windows of 12 tokens).
 CHECK_MAX_TOKENS = 320
@@ -76,36 +70,7 @@ FLOAT_TOLERANCE = 1e-5
 NOISE_FACTOR = 10.0
 
 
-@dataclass(frozen=True)
-class RowPlan:
-    """How rows of one model may be computed. ``windows`` maps each attention layer type to how many positions
-    back its queries see (None: all); a single entry keyed ``""`` applies to every layer."""
-
-    packing_blocker: str | None = None  # why rows are not packed (None: they are)
-    prefill_blocker: str | None = None  # why HF generation prefills each row (None: a prompt once)
-    windows: dict[str, int | None] = field(default_factory=lambda: {"": None})
-
-    @property
-    def per_layer_masks(self) -> bool:
-        """Whether the model takes a mask per layer type (a dict keyed by ``config.layer_types``)."""
-        return "" not in self.windows
-
-
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under DDP/FSDP/DeepSpeed (``.module``) and peft wrappers."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The keyword a model's forward and ``generate`` take a cache by: ``cache`` from transformers 5.2x on,
-    ``past_key_values`` before (deprecated since, removed in 5.40 for forward and 6.0 for generate)."""
-    forward = inspect.signature(base_model(model).forward).parameters
-    return "cache" if "cache" in forward else "past_key_values"
 
 
 def row_plan(model: torch.nn.Module) -> RowPlan:
@@ -116,12 +81,17 @@ def row_plan(model: torch.nn.Module) -> RowPlan:
     known = _PLANS.get(base)
     if known is not None and known[0] == implementation:  # planned anew where the attention was changed
         return known[1]
-    plan = _self_check(model, _static_plan(base))
+    plan = _self_check(model, static_plan(base))
     _PLANS[base] = (implementation, plan)
     for what, reason in (("packing", plan.packing_blocker), ("shared prefill", plan.prefill_blocker)):
         if reason is not None:
             _say(f"{what} is off for {type(base).__name__}: {reason}")
     return plan
+
+
+def packing_blocker(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s rows are not packed (a one-line reason), or None when they are."""
+    return row_plan(model).packing_blocker
 
 
 _SAID: set[str] = set()
@@ -133,63 +103,10 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def _static_plan(base: torch.nn.Module) -> RowPlan:
-    """What the config alone decides: the attention implementation and the windows."""
-    config = getattr(base, "config", None)
-    implementation = getattr(config, "_attn_implementation", None) if config is not None else None
-    if implementation is None:
-        reason = f"{type(base).__name__} is not a transformers model with an attention implementation"
-        return RowPlan(reason, reason)
-    blocker = None
-    if implementation not in MASKED_ATTENTION:
-        blocker = (
-            f"attention implementation {implementation!r} takes no custom attention mask; "
-            f"load the model with one of {', '.join(MASKED_ATTENTION)}"
-        )
-    windows, window_blocker = _windows(config)
-    return RowPlan(blocker or window_blocker, None, windows)
-
-
-def _windows(config: Any) -> tuple[dict[str, int | None], str | None]:
-    """Per attention layer type, how many positions back a query sees; or why rows cannot be packed."""
-    sliding = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        windows: dict[str, int | None] = {}
-        stateful = []
-        for kind in dict.fromkeys(layer_types):
-            if kind in FULL_ATTENTION:
-                windows[kind] = None
-            elif kind == SLIDING_ATTENTION:
-                if not isinstance(sliding, int) or sliding < 1:
-                    return {"": None}, f"its sliding-attention layers have no sliding_window ({sliding!r})"
-                windows[kind] = sliding
-            else:  # linear attention, convolutions, Mamba (a state no mask reaches), chunked attention
-                stateful.append(kind)
-        if stateful:
-            return {"": None}, (
-                f"its {', '.join(stateful)} layers are not attention under a packed row's mask: a state would "
-                "run from one packed segment into the next; each row is computed whole"
-            )
-        return windows, None
-    if isinstance(sliding, int) and getattr(config, "use_sliding_window", True) is not False:
-        return {"": sliding}, None
-    return {"": None}, None
-
-
-def _attention_free_types(model: torch.nn.Module) -> list[str]:
-    config = getattr(base_model(model), "config", None)
-    kinds = dict.fromkeys(getattr(config, "layer_types", None) or ())
-    return [kind for kind in kinds if kind not in FULL_ATTENTION and kind != SLIDING_ATTENTION]
-
-
 def _tolerance(model: torch.nn.Module, rows: tuple[Tensor, ...], whole: Tensor) -> float:
     """How far from each row computed whole float rounding alone may take a result: the dtype's floor, or
     :data:`NOISE_FACTOR` x the difference of the padded batch (exact up to rounding), whichever is larger."""
-    from pods.loss import Forward, forward_logprobs
-
-    everything = Forward(torch.ones(rows[0].shape[0], dtype=torch.bool), None)
-    noise = _max_difference(forward_logprobs(model, everything, *rows), whole, rows[3])
+    noise = _max_difference(_padded_logprobs(model, rows), whole, rows[3])
     floor = TOLERANCE.get(next(model.parameters()).dtype, FLOAT_TOLERANCE)
     return max(floor, NOISE_FACTOR * noise)
 
@@ -248,7 +165,7 @@ def _self_check(model: torch.nn.Module, plan: RowPlan) -> RowPlan:
 
 
 def _state_hint(model: torch.nn.Module) -> str:
-    kinds = _attention_free_types(model)
+    kinds = attention_free_types(model)
     if kinds:
         return f"the state of its {', '.join(kinds)} layers runs from one packed segment into the next"
     return "the packed mask misses something the model does (a window or a state its config does not declare)"
@@ -258,12 +175,8 @@ def _packing_difference(
     model: torch.nn.Module, plan: RowPlan, rows: tuple[Tensor, ...], whole: Tensor, tolerance: float
 ) -> str | None:
     """Why packed rows do not give each row's log-probs computed whole (None when they do)."""
-    from pods.loss import Forward, forward_logprobs
-    from pods.packing import pack
-
-    packed = pack(*rows, token_budget=10**9)
     try:
-        logprobs = forward_logprobs(model, Forward(packed.rows_scored(), packed), *rows, plan=plan)
+        logprobs = _packed_logprobs(model, rows, plan)
     except Exception as error:  # the model cannot run a packed row: each row whole, exact, said in one line
         return f"{type(base_model(model)).__name__} failed on a packed row ({_first_line(error)})"
     difference = _max_difference(logprobs, whole, rows[3])
@@ -278,8 +191,6 @@ def _packing_difference(
 def _prefill_difference(model: torch.nn.Module, rows: tuple[Tensor, ...], tolerance: float) -> str | None:
     """Why a prompt's cache computed once and repeated for its samples does not give the logits of a prefill
     per row (None when it does)."""
-    from pods.rollout.hf import expand_prompt_cache
-
     prompt_ids, prompt_mask = rows[0], rows[1]
     device = next(model.parameters()).device
     ids, mask = prompt_ids.to(device), prompt_mask.to(device)
@@ -311,6 +222,14 @@ def _prefill_difference(model: torch.nn.Module, rows: tuple[Tensor, ...], tolera
     return None
 
 
+# The check's own log-probs, plain (a full log-softmax of a few short rows): the training path
+# (pods.loss) is tested against each row whole by the architecture zoo, not by this check.
+def _log_probs_at(logits: Tensor, targets: Tensor) -> Tensor:
+    return (
+        torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None].to(logits.device))[..., 0].cpu()
+    )
+
+
 def _whole_row_logprobs(model: torch.nn.Module, rows: tuple[Tensor, ...]) -> Tensor:
     """Each row's completion log-probs from a forward of that row alone (no padding, nothing packed)."""
     prompt_ids, prompt_mask, completion_ids, completion_mask = rows
@@ -320,11 +239,38 @@ def _whole_row_logprobs(model: torch.nn.Module, rows: tuple[Tensor, ...]) -> Ten
         prompt = prompt_ids[b][prompt_mask[b].bool()]
         completion = completion_ids[b][completion_mask[b].bool()]
         ids = torch.cat([prompt, completion])[None].to(device)
-        logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
-        out[b, : len(completion)] = (
-            torch.log_softmax(logits, -1).gather(-1, completion[:, None].to(device))[:, 0].cpu()
-        )
+        logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1]
+        out[b, : len(completion)] = _log_probs_at(logits, completion)
     return out
+
+
+def _padded_logprobs(model: torch.nn.Module, rows: tuple[Tensor, ...]) -> Tensor:
+    """The rows as transformers' padded batch: left-padded prompts, positions from the mask."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask = rows
+    device = next(model.parameters()).device
+    mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
+    logits = model(
+        input_ids=torch.cat([prompt_ids, completion_ids], dim=1).to(device),
+        attention_mask=mask,
+        position_ids=(mask.cumsum(dim=1) - 1).clamp_min(0),
+        use_cache=False,
+    ).logits
+    return _log_probs_at(logits[:, prompt_ids.shape[1] - 1 : -1], completion_ids)
+
+
+def _packed_logprobs(model: torch.nn.Module, rows: tuple[Tensor, ...], plan: RowPlan) -> Tensor:
+    """The rows shared-prefix packed (:func:`pods.packing.pack`) under ``plan``'s masks."""
+    packed = pack(*rows, token_budget=10**9)
+    device = next(model.parameters()).device
+    logits = model(
+        input_ids=packed.input_ids.to(device),
+        attention_mask=model_mask(model, packed, plan),
+        position_ids=packed.position_ids.to(device),
+        use_cache=False,
+    ).logits
+    values = _log_probs_at(logits, packed.labels.clamp_min(0)).reshape(-1)[packed.label_index]
+    batch, width = packed.shape
+    return torch.zeros(batch * width).scatter(0, packed.label_dest, values).view(batch, width)
 
 
 def _max_difference(logprobs: Tensor, whole: Tensor, mask: Tensor) -> float:

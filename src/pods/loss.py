@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pods.architectures import RowPlan, base_model, row_plan
+from pods.architectures import row_plan
+from pods.model_info import RowPlan, accepts_logits_to_keep
 from pods.packing import (
     DEFAULT_TOKEN_BUDGET,
     Packing,
@@ -160,12 +160,6 @@ def selected_token_logprobs(
     return _SelectedLogProbs.apply(logits, token_ids.long(), float(temperature), int(chunk_size))
 
 
-def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the model's forward, under DDP/FSDP/DeepSpeed (``.module``) and peft wrappers, takes
-    ``logits_to_keep``."""
-    return "logits_to_keep" in inspect.signature(base_model(model).forward).parameters
-
-
 def _last_used_column(mask: Tensor) -> int:
     """Index of the last column where some row of ``mask`` is nonzero (-1 when there is none)."""
     columns = mask.any(dim=0).nonzero()
@@ -261,7 +255,7 @@ def forward_logprobs(
     scoring = {"temperature": temperature, "chunk_size": chunk_size, "top_k": top_k, "top_p": top_p}
     if forward.packed is not None:
         return _packed_logprobs(model, forward.packed, scoring, plan or row_plan(model))
-    use_logits_to_keep = _accepts_logits_to_keep(model)
+    use_logits_to_keep = accepts_logits_to_keep(model)
 
     # Trim columns that are padding in every row: leading prompt padding and trailing completion padding
     # (pure speed-up: positions come from the mask).
@@ -373,7 +367,7 @@ def _packed_logprobs(model: torch.nn.Module, packed: Packing, scoring: dict, pla
     length = packed.input_ids.shape[1]
     # Logits only from the first labelled column on (transformers keeps a suffix of the row).
     keep = length - packed.first_column
-    extra = {"logits_to_keep": keep} if _accepts_logits_to_keep(model) else {}
+    extra = {"logits_to_keep": keep} if accepts_logits_to_keep(model) else {}
     logits = model(
         input_ids=packed.input_ids.to(device),
         attention_mask=model_mask(model, packed, plan),

@@ -14,8 +14,8 @@ own copy of the prompt.
   the model has one (on position ids);
 - :func:`model_mask`: that mask in the form the model's attention takes (bool, additive, FlexAttention's; one
   per layer type where windows differ);
-- :func:`packing_blocker`: why a model's rows are not packed (None when they are): decided with the shared
-  prefill in :func:`pods.architectures.row_plan`, by a self-check on the real model.
+- whether a model's rows are packed at all is decided with the shared prefill in
+  :func:`pods.architectures.row_plan`, by a self-check on the real model.
 
 Per-token log-probs go back to the ``[rows, completion_len]`` layout the losses use through the indices
 of :class:`Packing` (:func:`pods.loss.completion_logprobs` does it).
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pods.architectures import RowPlan, base_model, row_plan
+from pods.model_info import RowPlan, base_model
 
 __all__ = [
     "DEFAULT_TOKEN_BUDGET",
@@ -43,7 +43,6 @@ __all__ = [
     "model_mask",
     "pack",
     "packable",
-    "packing_blocker",
 ]
 
 DEFAULT_TOKEN_BUDGET = 2048
@@ -283,16 +282,10 @@ def hidden_size(model: torch.nn.Module) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
-def packing_blocker(model: torch.nn.Module) -> str | None:
-    """Why ``model``'s rows are not packed (a one-line reason), or None when they are (:func:`pods.architectures.row_plan`)."""
-    return row_plan(model).packing_blocker
-
-
-def model_mask(model: torch.nn.Module, packed: Packing, plan: RowPlan | None = None) -> Any:
+def model_mask(model: torch.nn.Module, packed: Packing, plan: RowPlan) -> Any:
     """The packed rows' mask in the form ``model``'s attention takes: a block mask for FlexAttention (it
     skips the blocks no query sees), bool for SDPA, additive float for eager attention; one per layer type
     (a dict, as transformers builds for itself) where layer types see different windows."""
-    plan = plan or row_plan(model)
     device = next(model.parameters()).device
     ids = [t.to(device) for t in (packed.block_ids, packed.segment_ids, packed.position_ids)]
     masks = {kind: _mask_for(model, *ids, window) for kind, window in plan.windows.items()}

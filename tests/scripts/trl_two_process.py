@@ -23,6 +23,7 @@ from accelerate.utils import gather_object
 from datasets import Dataset
 
 from pods.advantages import group_advantages, zero_variance_groups
+from pods.architectures import row_plan
 from pods.distributed import close_process_group
 from pods.integrations.trl import PODSConfig, PODSTrainer, fused_packed_logps
 from pods.prompt_filter import fill_groups
@@ -153,6 +154,7 @@ def masked_chunk_forwards(model_dir: str) -> tuple[int, int]:
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
+    row_plan(model)  # the model's self-check (same forwards on both processes) before counting
     forwards = [0]
     model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     generator = torch.Generator().manual_seed(0)

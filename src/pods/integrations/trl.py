@@ -41,6 +41,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("pods.integrations.trl needs TRL; install it with: pip install 'pods[trl]'") from error
 
 from pods.advantages import aggregate_rewards, difficulty_counts, downsample, zero_variance_groups
+from pods.architectures import packing_blocker, row_plan
 from pods.config import (
     PROMPT_FILTER_EXHAUSTED,
     PROMPT_FILTERS,
@@ -52,7 +53,7 @@ from pods.config import (
 from pods.data.stream import refill_order
 from pods.errors import ConfigError, PromptFilterExhausted
 from pods.metrics import reward_metrics
-from pods.packing import DEFAULT_TOKEN_BUDGET, hidden_size, model_mask, pack, packable, packing_blocker
+from pods.packing import DEFAULT_TOKEN_BUDGET, hidden_size, model_mask, pack, packable
 from pods.prompt_filter import PassShare, exhausted_message, fill_groups, next_round_size, passing_groups
 from pods.prompt_skip import (
     GresoSettings,
@@ -839,7 +840,7 @@ def fused_packed_logps(model: Any, rows: list[torch.Tensor], token_budget: int) 
     device = rows[2].device
     out = model(
         input_ids=packed.input_ids.to(device),
-        attention_mask=model_mask(model, packed),
+        attention_mask=model_mask(model, packed, row_plan(model)),
         position_ids=packed.position_ids.to(device),
         shift_labels=packed.labels.to(device),
         fused_lm_head=True,

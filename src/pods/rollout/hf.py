@@ -7,8 +7,9 @@ import weakref
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
-from pods.architectures import cache_keyword, row_plan
+from pods.architectures import row_plan
 from pods.errors import ConfigError
+from pods.model_info import cache_keyword, expand_prompt_cache
 from pods.rollout.base import (
     Rollouts,
     SamplingParams,
@@ -271,32 +272,6 @@ def shared_prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     if row_plan(model).prefill_blocker is not None:
         return None
     return expand_prompt_cache(model, ids.to(device), mask.to(device))
-
-
-def expand_prompt_cache(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor):
-    """:func:`shared_prefill`'s cache without the checks: every distinct row's prompt but its last token
-    forwarded once, its cache repeated for the rows that share it (None where no row repeats)."""
-    unique, inverse = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
-    if unique.shape[0] == ids.shape[0]:
-        return None
-    from transformers import DynamicCache
-
-    from pods.loss import _accepts_logits_to_keep
-
-    width = ids.shape[1]
-    prefix_ids, prefix_mask = unique[:, : width - 1], unique[:, width : 2 * width - 1]
-    positions = (prefix_mask.long().cumsum(dim=1) - 1).masked_fill(prefix_mask == 0, 1)  # as generate does
-    cache = DynamicCache(config=getattr(model, "config", None))
-    model(
-        input_ids=prefix_ids,
-        attention_mask=prefix_mask,
-        position_ids=positions,
-        use_cache=True,
-        **{cache_keyword(model): cache},
-        **({"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}),  # only the cache is wanted
-    )
-    cache.reorder_cache(inverse)  # rows may repeat: beam search's reordering, every layer kind's own
-    return cache
 
 
 def _pad_right(ids: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
