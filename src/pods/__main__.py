@@ -1,4 +1,4 @@
-from pods.cli import main
+from pods.cli import run
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

@@ -15,6 +15,8 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType
 
+from pods.process_exit import exit_process
+
 
 def save_gathered_weights(trainer: tiny_run.RecordingTrainer, output_dir: str) -> None:
     weights = trainer.accelerator.get_state_dict(trainer.model)  # a collective; full on the main process
@@ -27,3 +29,4 @@ if __name__ == "__main__":
     PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU  # accelerate's gate for FSDP
     tiny_run.save_weights = save_gathered_weights
     tiny_run.main()
+    exit_process(0)

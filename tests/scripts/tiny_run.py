@@ -20,6 +20,7 @@ import torch
 
 from pods.config import TrainConfig
 from pods.distributed import close_process_group
+from pods.process_exit import exit_process
 from pods.testing import use_torch_collectives_under_deepspeed
 from pods.trainer import PODSTrainer, TrainingStopped
 
@@ -185,3 +186,4 @@ def save_weights(trainer: RecordingTrainer, output_dir: str) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

@@ -26,6 +26,7 @@ from pods.advantages import group_advantages, zero_variance_groups
 from pods.architectures import row_plan
 from pods.distributed import close_process_group
 from pods.integrations.trl import PODSConfig, PODSTrainer, fused_packed_logps
+from pods.process_exit import exit_process
 from pods.prompt_filter import fill_groups
 from pods.selection import select
 
@@ -173,3 +174,4 @@ def masked_chunk_forwards(model_dir: str) -> tuple[int, int]:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3].split(","))
+    exit_process(0)

@@ -33,6 +33,7 @@ from pods.checkpoint import TrainerState
 from pods.config import TrainConfig
 from pods.distributed import deepspeed_batch_settings, deepspeed_guards_non_finite_steps
 from pods.loss import plan_forwards
+from pods.process_exit import exit_process
 from pods.rollout import Rollouts
 from pods.testing import use_torch_collectives_under_deepspeed
 from pods.update import NonFiniteGuard, policy_update, split_evenly
@@ -201,3 +202,4 @@ def say(line: str) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+from pods.process_exit import exit_process
+
 
 def main() -> None:
     model_dir, cases = sys.argv[1], sys.argv[2:] or ["full"]
@@ -93,3 +95,4 @@ def run_case(model_dir: str, *, lora: bool, case: str) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

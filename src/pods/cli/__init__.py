@@ -40,6 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run() -> None:
+    """The ``pods`` command: :func:`main` on ``sys.argv``, ending the process without the interpreter's
+    teardown (:func:`pods.process_exit.exit_process`)."""
+    from pods.process_exit import exit_process
+
+    exit_process(main())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
