@@ -43,6 +43,7 @@ from pods.errors import ConfigError, RolloutWorkerError
 from pods.faults import fault_point
 from pods.metrics import StepTimer
 from pods.pipes import NOTHING, Link, PeerGone
+from pods.process_exit import exit_process
 from pods.producer import ProducedBatch, ProducerState
 from pods.prompt_filter import SampledGroups
 from pods.weight_sync import TensorLayout, WeightReceiver, weights_store
@@ -230,7 +231,7 @@ def worker_main(
         _place(spec.cores, spec.threads, spec.device)
         _produce_forever(spec, weights, link)
     except (PeerGone, SystemExit):  # the trainer is gone or stopped this worker: nothing to report
-        return
+        exit_process(0)  # its engine is stopped: no teardown of torch and vLLM to wait for
     except BaseException as error:  # everything reaches the trainer, which decides what it means
         with contextlib.suppress(Exception):
             link.send(("failed", type(error).__name__, str(error), traceback.format_exc()))
