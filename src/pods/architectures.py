@@ -33,7 +33,7 @@ from pods.model_info import (
     expand_prompt_cache,
     static_plan,
 )
-from pods.packing import model_mask, pack
+from pods.packing import model_inputs, pack
 
 __all__ = ["CHECK_MAX_TOKENS", "VERIFIED_MODEL_TYPES", "packing_blocker", "row_plan", "synthetic_rows"]
 
@@ -261,13 +261,7 @@ def _padded_logprobs(model: torch.nn.Module, rows: tuple[Tensor, ...]) -> Tensor
 def _packed_logprobs(model: torch.nn.Module, rows: tuple[Tensor, ...], plan: RowPlan) -> Tensor:
     """The rows shared-prefix packed (:func:`pods.packing.pack`) under ``plan``'s masks."""
     packed = pack(*rows, token_budget=10**9)
-    device = next(model.parameters()).device
-    logits = model(
-        input_ids=packed.input_ids.to(device),
-        attention_mask=model_mask(model, packed, plan),
-        position_ids=packed.position_ids.to(device),
-        use_cache=False,
-    ).logits
+    logits = model(**model_inputs(model, packed, plan), use_cache=False).logits
     values = _log_probs_at(logits, packed.labels.clamp_min(0)).reshape(-1)[packed.label_index]
     batch, width = packed.shape
     return torch.zeros(batch * width).scatter(0, packed.label_dest, values).view(batch, width)

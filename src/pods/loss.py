@@ -28,7 +28,7 @@ from pods.packing import (
     attention_path,
     forward_slices,
     hidden_size,
-    model_mask,
+    model_inputs,
     pack,
     packable,
 )
@@ -368,13 +368,7 @@ def _packed_logprobs(model: torch.nn.Module, packed: Packing, scoring: dict, pla
     # Logits only from the first labelled column on (transformers keeps a suffix of the row).
     keep = length - packed.first_column
     extra = {"logits_to_keep": keep} if accepts_logits_to_keep(model) else {}
-    logits = model(
-        input_ids=packed.input_ids.to(device),
-        attention_mask=model_mask(model, packed, plan),
-        position_ids=packed.position_ids.to(device),
-        use_cache=False,
-        **extra,
-    ).logits
+    logits = model(**model_inputs(model, packed, plan), use_cache=False, **extra).logits
     if logits.shape[1] != keep:  # a model without logits_to_keep (a no-op slice would copy in backward)
         logits = logits[:, -keep:]
     offset = length - keep  # packed column c is logits column c - offset

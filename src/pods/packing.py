@@ -40,6 +40,7 @@ __all__ = [
     "flex_block_mask",
     "forward_slices",
     "hidden_size",
+    "model_inputs",
     "model_mask",
     "pack",
     "packable",
@@ -290,6 +291,16 @@ def model_mask(model: torch.nn.Module, packed: Packing, plan: RowPlan) -> Any:
     ids = [t.to(device) for t in (packed.block_ids, packed.segment_ids, packed.position_ids)]
     masks = {kind: _mask_for(model, *ids, window) for kind, window in plan.windows.items()}
     return masks if plan.per_layer_masks else masks[""]
+
+
+def model_inputs(model: torch.nn.Module, packed: Packing, plan: RowPlan) -> dict[str, Any]:
+    """The keyword arguments of ``model``'s forward over packed rows: tokens, mask and position ids, on its device."""
+    device = next(model.parameters()).device
+    return {
+        "input_ids": packed.input_ids.to(device),
+        "attention_mask": model_mask(model, packed, plan),
+        "position_ids": packed.position_ids.to(device),
+    }
 
 
 def _mask_for(
