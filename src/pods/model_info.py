@@ -1,6 +1,6 @@
 """What a loaded transformers model is, read from the model and its config: its base under wrappers, the
-keywords its forward takes, the attention windows of its layer types, and its prompt cache repeated per
-sample. No decision here: :func:`pods.architectures.row_plan` decides, with a self-check, from these facts."""
+keywords its forward takes, the attention windows of its layer types (and what they rule out), and its prompt
+cache repeated per sample. :func:`pods.architectures.row_plan` decides from these, with a self-check."""
 
 from __future__ import annotations
 

