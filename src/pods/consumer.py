@@ -98,6 +98,11 @@ def step_metrics(
             **{key: synced_mean(acc, value) for key, value in update.items()},
         }
     )
+    if rollouts.tool_mask is not None:
+        # multi-turn rollouts: the tokens the loss weighs, tool output left out
+        metrics["completions/mean_sampled_length"] = (
+            everywhere(rollouts.sampled_lengths.double()).mean().item()
+        )
     if accuracy_name in per_function:
         metrics["accuracy"] = (
             (everywhere(torch.nan_to_num(per_function[accuracy_name])) > 0.5).double().mean().item()

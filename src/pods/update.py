@@ -7,8 +7,9 @@ tokens, each backpropagated before the next, so that memory is bounded by the bu
 micro-batch runs as many forwards on every process (:func:`padding_logprobs`). Old and reference
 log-probs come from evaluation-mode forwards (no dropout); the sampler's log-probs, when the engine reports
 them (vLLM), are compared with the old ones: truncated importance weights correct the sampler/trainer
-mismatch, and the mismatch is logged. A NaN/inf loss or gradient norm skips the optimizer step
-(:class:`NonFiniteGuard`).
+mismatch, and the mismatch is logged. Tool and environment output in a completion (``Rollouts.tool_mask``
+0) is context the rows attend to, never a token the loss, the KL or the importance weights weigh. A NaN/inf
+loss or gradient norm skips the optimizer step (:class:`NonFiniteGuard`).
 """
 
 from __future__ import annotations
@@ -127,14 +128,19 @@ def policy_update(
     advantages = advantages.cpu()[order].to(device=device, dtype=torch.float32)
     prompt_ids, prompt_mask = batch.prompt_ids.to(device), batch.prompt_mask.to(device)
     completion_ids = batch.completion_ids.to(device)
-    mask = (batch.completion_mask * weighs.unsqueeze(1).to(batch.completion_mask)).to(device)
+    weighing = weighs.unsqueeze(1).to(batch.completion_mask)
+    # The rows attend to every completion token, tool output included (context the model read): the forwards
+    # are planned on ``attention``. The loss, its token counts, the KL, the importance weights and the
+    # sampler mismatch weigh only the tokens the model sampled (``mask``, the batch's loss mask).
+    attention = (batch.completion_mask * weighing).to(device)
+    mask = (batch.loss_mask * weighing).to(device)
     temperature = cfg.temperature if cfg.temperature > 0 else 1.0
     # dapo divides by the tokens of the whole batch across processes, grpo and dr_grpo by its sequences; DDP
     # averages gradients, so both are counted per process.
     total_tokens = synced_sum(acc, mask.sum().double()) / acc.num_processes
     total_sequences = float(synced_sum(acc, weighs.sum().double()) / acc.num_processes)
 
-    rows = (prompt_ids, prompt_mask, completion_ids, mask)
+    rows = (prompt_ids, prompt_mask, completion_ids, attention)
     parts = split_evenly(completion_ids.shape[0], num_parts)
     # Each micro-batch's forwards (packed: forwards of at most token_budget tokens), planned once for every
     # pass and for the old and reference log-probs (the reference shares the policy's architecture).

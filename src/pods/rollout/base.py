@@ -71,6 +71,10 @@ class Rollouts:
     # [P*n, Lc] log-probs the sampler drew each completion token with (0 on padding), from engines that
     # report them (vLLM); the trainer corrects the sampler/trainer mismatch with them. None for HF.
     sampling_logprobs: torch.Tensor | None = None
+    # [P*n, Lc] 1 where the model sampled the token, 0 where a tool or environment wrote it (multi-turn
+    # rollouts): tool output is context the model reads (it stays under completion_mask) but gets no loss, no
+    # KL and no gradient. None: every completion token was sampled.
+    tool_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         rows = self.num_prompts * self.num_generations
@@ -98,14 +102,26 @@ class Rollouts:
                 f"{len(self.texts)} texts, truncated {tuple(self.truncated.shape)}, sampling_logprobs "
                 f"{None if self.sampling_logprobs is None else tuple(self.sampling_logprobs.shape)}."
             )
+        if self.tool_mask is not None:
+            check_tool_mask(self.tool_mask, tuple(self.completion_ids.shape))
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
     @property
     def completion_lengths(self) -> torch.Tensor:
-        """``[rows]`` number of real completion tokens per row (EOS / stop-string token included)."""
+        """``[rows]`` real completion tokens per row (EOS / stop-string token and any tool output included)."""
         return self.completion_mask.sum(dim=1)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``[rows, Lc]`` the tokens the loss weighs: completion tokens the model sampled (tool output left out)."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+
+    @property
+    def sampled_lengths(self) -> torch.Tensor:
+        """``[rows]`` completion tokens the model sampled (:attr:`completion_lengths` less any tool output)."""
+        return self.loss_mask.sum(dim=1)
 
     def select(self, rows: torch.Tensor | list[int]) -> Rollouts:
         """Keep the given flat row indices, in the given order, and shrink the padding to the longest kept.
@@ -140,6 +156,7 @@ class Rollouts:
             sampling_logprobs=(
                 None if self.sampling_logprobs is None else self.sampling_logprobs[rows][:, :completion_end]
             ),
+            tool_mask=None if self.tool_mask is None else self.tool_mask[rows][:, :completion_end],
         )
 
 
@@ -178,7 +195,29 @@ def concat_rollouts(parts: list[Rollouts], pad_id: int = 0) -> Rollouts:
             if parts[0].sampling_logprobs is None
             else torch.cat([pad(p.sampling_logprobs, completion_width, 0.0, left=False) for p in parts])
         ),
+        tool_mask=(
+            None
+            if all(p.tool_mask is None for p in parts)
+            else torch.cat([pad(sampled_tokens(p), completion_width, 0, left=False) for p in parts])
+        ),
     )
+
+
+def sampled_tokens(rollouts: Rollouts) -> torch.Tensor:
+    """``[rows, Lc]`` the tool mask of ``rollouts`` in its completion mask's dtype, all ones when it has none."""
+    if rollouts.tool_mask is not None:
+        return rollouts.tool_mask.to(rollouts.completion_mask.dtype)
+    return torch.ones_like(rollouts.completion_mask)
+
+
+def check_tool_mask(tool_mask: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """A tool mask has the completions' shape and holds only 0 and 1 (0 under a 0 completion mask is fine)."""
+    if tuple(tool_mask.shape) != shape:
+        raise ValueError(f"tool_mask must have the completions' shape {shape}, got {tuple(tool_mask.shape)}.")
+    if tool_mask.numel() and not bool(((tool_mask == 0) | (tool_mask == 1)).all()):
+        raise ValueError(
+            f"tool_mask must hold only 0 (tool output) and 1 (sampled), got values {tool_mask.unique().tolist()}."
+        )
 
 
 def _group_layout(groups: torch.Tensor) -> tuple[int, int]:
