@@ -237,7 +237,6 @@ def forward_logprobs(
     chunk_size: int | None = None,
     top_k: int = 0,
     top_p: float = 1.0,
-    plan: RowPlan | None = None,
 ) -> Tensor:
     """Log-probs ``[B, Lc]`` (float32) of the completion tokens ``forward`` scores (0 at every other position
     when packed; finite but meaningless at masked positions unpacked). See :func:`completion_logprobs`."""
@@ -254,7 +253,7 @@ def forward_logprobs(
             raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}.")
     scoring = {"temperature": temperature, "chunk_size": chunk_size, "top_k": top_k, "top_p": top_p}
     if forward.packed is not None:
-        return _packed_logprobs(model, forward.packed, scoring, plan or row_plan(model))
+        return _packed_logprobs(model, forward.packed, scoring, row_plan(model))
     use_logits_to_keep = accepts_logits_to_keep(model)
 
     # Trim columns that are padding in every row: leading prompt padding and trailing completion padding

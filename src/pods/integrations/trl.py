@@ -53,7 +53,7 @@ from pods.config import (
 from pods.data.stream import refill_order
 from pods.errors import ConfigError, PromptFilterExhausted
 from pods.metrics import reward_metrics
-from pods.packing import DEFAULT_TOKEN_BUDGET, hidden_size, model_mask, pack, packable
+from pods.packing import DEFAULT_TOKEN_BUDGET, hidden_size, model_inputs, pack, packable
 from pods.prompt_filter import PassShare, exhausted_message, fill_groups, next_round_size, passing_groups
 from pods.prompt_skip import (
     GresoSettings,
@@ -839,9 +839,7 @@ def fused_packed_logps(model: Any, rows: list[torch.Tensor], token_budget: int) 
     packed = pack(*(t.cpu() for t in rows), token_budget=token_budget, hidden_size=hidden_size(model))
     device = rows[2].device
     out = model(
-        input_ids=packed.input_ids.to(device),
-        attention_mask=model_mask(model, packed, row_plan(model)),
-        position_ids=packed.position_ids.to(device),
+        **model_inputs(model, packed, row_plan(model)),
         shift_labels=packed.labels.to(device),
         fused_lm_head=True,
     )
