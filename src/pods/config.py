@@ -151,6 +151,19 @@ class TrainConfig:
     rollout_worker_device: str = "auto"  # async: cpu, cuda[:N], auto (its own GPU if free)
     weight_sync_backend: str = "auto"  # async: shared_memory, gloo, nccl; auto: nccl between 2 GPUs
 
+    # --- tools and environments (multi-turn rollouts, docs/agents.md) ---
+    tools: list[str] | None = None  # file.py:function or module:function per tool (TRL's `tools`)
+    environment_factory: str | None = (
+        None  # file.py:Class: one instance per rollout, reset(**row), methods as tools
+    )
+    tool_format: str = (
+        "auto"  # chat_template (tools in the chat template), text (<call>f(x)</call>); auto: by prompt
+    )
+    max_tool_calling_iterations: int | None = (
+        None  # rounds of tool calls per episode at most (None: no limit)
+    )
+    tool_timeout: float | None = 10.0  # seconds a turn's tool calls may take; then answered with an error
+
     # --- rewards and loss ---
     reward_funcs: list[str] | None = None  # built-ins, file.py:function, module:function; None: the task's
     reward_weights: list[float] | None = None  # one per reward (the reward model first, where there is one)
@@ -222,6 +235,7 @@ class TrainConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise ``ConfigError`` for any setting that cannot work, before any work starts."""
+        self._validate_tools()
         m = self.num_generations_kept
         _require(m >= 2, "num_generations_kept", f"must be at least 2 (advantages need a group), got {m}")
         if isinstance(self.num_generations, str):
@@ -400,6 +414,26 @@ class TrainConfig:
             and all(isinstance(x, int | float) and not isinstance(x, bool) and x > 0 for x in at),
             "eval_at_seconds",
             f"must be a list of positive training times in seconds, e.g. [5, 10, 20] (or [] for none), got {at!r}",
+        )
+
+    def _validate_tools(self) -> None:
+        require_choice(self.tool_format, ("auto", "chat_template", "text"), "tool_format")
+        iterations = self.max_tool_calling_iterations
+        _require(
+            iterations is None or iterations >= 1,
+            "max_tool_calling_iterations",
+            f"must be >= 1 or null, got {iterations}",
+        )
+        _require(
+            self.tool_timeout is None or self.tool_timeout > 0,
+            "tool_timeout",
+            f"must be > 0 seconds or null, got {self.tool_timeout}",
+        )
+        _require(
+            self.tools is None
+            or (isinstance(self.tools, list) and all(isinstance(t, str) and t for t in self.tools)),
+            "tools",
+            f"must be a list of file.py:function or module:function paths, got {self.tools!r}",
         )
 
     def _validate_prompt_stages(self) -> None:

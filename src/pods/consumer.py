@@ -103,6 +103,13 @@ def step_metrics(
         metrics["completions/mean_sampled_length"] = (
             everywhere(rollouts.sampled_lengths.double()).mean().item()
         )
+    if rollouts.episode_stats is not None:  # multi-turn rollouts: TRL's two tool metrics, and pods' own
+        calls, errors, turns = everywhere(rollouts.episode_stats.double()).unbind(dim=1)
+        metrics["tools/call_frequency"] = calls.mean().item()  # calls per rollout
+        metrics["tools/failure_frequency"] = (errors.sum() / calls.sum()).item() if calls.sum() > 0 else 0.0
+        metrics["tools/errors_per_rollout"] = errors.mean().item()
+        metrics["tools/calling_share"] = (calls > 0).double().mean().item()  # rollouts with a call
+        metrics["tools/mean_turns"] = turns.mean().item()
     if accuracy_name in per_function:
         metrics["accuracy"] = (
             (everywhere(torch.nan_to_num(per_function[accuracy_name])) > 0.5).double().mean().item()

@@ -74,7 +74,8 @@ def evaluate(
     by default HF ``generate`` on ``model``. HF ``generate`` gets ``batch_size`` completions per call; any
     other engine (vLLM, which schedules its own batches) gets the whole set in one call.
     """
-    from pods.prompts import render_prompt
+    from pods.agents import sample_rollouts
+    from pods.distributed import synced_max
     from pods.scoring import reward_columns, score_completions
 
     if protocol not in ("greedy", "sampled"):
@@ -92,7 +93,8 @@ def evaluate(
     # FSDP) each generation forward is a collective. One row fewer is made up by a repeat that is not scored.
     rows += [dataset[0]] * (-(-len(dataset) // world) - scored_rows)  # 0 or 1 (none without a row)
     engine = engine or HFGenerateEngine(model, tokenizer, generation_batch_size=batch_size)
-    chunked = isinstance(engine, HFGenerateEngine)
+    most = (lambda value: int(synced_max(accelerator, value))) if world > 1 else None  # turns in step
+    chunked = isinstance(getattr(engine, "engine", engine), HFGenerateEngine)  # a multi-turn engine's inside
     prompts_per_batch = max(1, batch_size // k) if chunked else max(1, len(rows))
 
     start = time.perf_counter()
@@ -100,15 +102,18 @@ def evaluate(
     batches = range(0, len(rows), prompts_per_batch)
     for begin in _maybe_progress(batches, progress and rank == 0, "evaluating"):
         chunk = rows[begin : begin + prompts_per_batch]
-        rendered = [render_prompt(row["prompt"], tokenizer) for row in chunk]
-        rollouts = engine.generate(rendered, k, sampling)
+        episodes = sample_rollouts(engine, chunk, k, sampling, tokenizer, most=most)  # with tools: episodes
+        rollouts, environments = episodes.rollouts, episodes.environments
         if begin + len(chunk) > scored_rows:  # the repeat: generated (in step with the others), not scored
             chunk = chunk[: max(0, scored_rows - begin)]
             if not chunk:
                 continue
             rollouts = rollouts.select(list(range(len(chunk) * k)))
+            environments = None if environments is None else environments[: len(chunk) * k]
         prompts = [row["prompt"] for row in chunk for _ in range(k)]
         columns = reward_columns(chunk, k)
+        if environments is not None:
+            columns["environments"] = environments
         pairs = zip(rollouts.completion_ids, rollouts.completion_mask, strict=True)
         ids = [row[mask.bool()].tolist() for row, mask in pairs]
         # every column, as in training; a failing function is named with the completion it fails on

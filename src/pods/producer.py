@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pods.advantages import aggregate_rewards
+from pods.agents.episodes import sample_rollouts
 from pods.config import TrainConfig
 from pods.data.stream import PromptStream
 from pods.distributed import gather, synced_max, synced_sum
@@ -34,7 +35,9 @@ from pods.scoring import RewardFunction, reward_columns, score_completions
 
 __all__ = ["OneProcess", "ProducedBatch", "Producer", "ProducerState", "score_batch", "seed_step"]
 
-Score = Callable[[list[dict[str, Any]], Rollouts], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+Score = Callable[
+    [list[dict[str, Any]], Rollouts, list[Any] | None], tuple[torch.Tensor, dict[str, torch.Tensor]]
+]  # (rows, rollouts, each rollout's environment or None) -> rewards [prompts, n], each function's
 
 
 @dataclass
@@ -102,10 +105,14 @@ def score_batch(
     config: TrainConfig,
     batch: list[dict[str, Any]],
     rollouts: Rollouts,
+    environments: list[Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """2. One weighted, summed reward per completion ``[prompts, n]``, and each function's."""
+    """2. One weighted, summed reward per completion ``[prompts, n]``, and each function's; with environments,
+    every function also gets ``environments`` (one per completion, as TRL passes them)."""
     n = rollouts.num_generations
     columns = reward_columns(batch, n)
+    if environments is not None:
+        columns["environments"] = environments
     prompts = [row["prompt"] for row in batch for _ in range(n)]
     completion_ids = [
         ids[mask.bool()].tolist()
@@ -150,7 +157,9 @@ class Producer:
         self.config, self.engine, self.tokenizer, self.rows = config, engine, tokenizer, rows
         self.accelerator = accelerator or OneProcess()
         self.score = score or (
-            lambda batch, rollouts: score_batch(reward_funcs or [], config, batch, rollouts)
+            lambda batch, rollouts, environments=None: score_batch(
+                reward_funcs or [], config, batch, rollouts, environments
+            )
         )
         acc = self.accelerator
         self.prompts = PromptStream(rows, config.seed, acc.process_index, acc.num_processes)
@@ -227,10 +236,11 @@ class Producer:
                     most=most,
                 )
             batch = [self.rows[index] for index in prompts.ids]
-            with timer("generate"):  # 1. n completions per prompt
-                rollouts = self.engine.generate(self.render(batch), n, self.sampling)
+            with timer("generate"):  # 1. n completions per prompt (episodes, with tools)
+                episodes = sample_rollouts(self.engine, batch, n, self.sampling, self.tokenizer, most=most)
+                rollouts = episodes.rollouts
             with timer("score"):  # 2. one reward per completion: [prompts, n]
-                rewards, per_function = self.score(batch, rollouts)
+                rewards, per_function = self.score(batch, rollouts, episodes.environments)
                 ranked, signal = self.ranked_and_signal(rewards, per_function)
             sampled.add(
                 prompts.ids,
@@ -287,8 +297,3 @@ class Producer:
         return torch.Generator().manual_seed(
             ((self.config.seed * 1_000_003 + step) * 64 + process) * 1_009 + round_index
         )
-
-    def render(self, batch: list[dict[str, Any]]) -> list[str]:
-        from pods.prompts import render_prompt
-
-        return [render_prompt(row["prompt"], self.tokenizer) for row in batch]

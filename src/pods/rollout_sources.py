@@ -375,10 +375,13 @@ def start_worker_rollouts(
     weight_sync_backend: str,
     num_generations: int,
     output_dir: Path,
+    tools: tuple[list[Any] | None, Any] = (None, None),
+    prompt_style: str = "plain",
 ) -> WorkerRollouts:
     """Start this trainer process's rollout worker on its share of the cores (the trainer keeps the rest) and
     wait until it is ready; with several trainer processes their workers meet at a store the main process serves."""
     check_picklable(reward_funcs)
+    check_picklable([*(tools[0] or []), *([tools[1]] if tools[1] is not None else [])], "tool")
     acc = accelerator
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     mine = share_of_cores(cores, acc.local_process_index, local_processes(acc))
@@ -401,6 +404,9 @@ def start_worker_rollouts(
         group_host=host,
         group_port=port,
         output_dir=str(output_dir),
+        tools=tools[0],
+        environment_factory=tools[1],
+        prompt_style=prompt_style,
     )
     rollouts = WorkerRollouts(
         spec,

@@ -84,9 +84,9 @@ def sampler_version(step: int, max_staleness: int, sync_every: int, first: int =
     return max(first, math.ceil((step - max_staleness) / sync_every) * sync_every)
 
 
-def check_picklable(reward_funcs: list[Any]) -> None:
-    """The reward functions travel to the rollout worker by pickle: a lambda or a function defined inside another
-    cannot; say which and how to fix it, before the worker starts."""
+def check_picklable(reward_funcs: list[Any], what: str = "reward function") -> None:
+    """The reward functions (and the Python API's tools) travel to the rollout worker by pickle: a lambda or a
+    function defined inside another cannot; say which and how to fix it, before the worker starts."""
     import pickle
 
     for fn in reward_funcs:
@@ -95,7 +95,7 @@ def check_picklable(reward_funcs: list[Any]) -> None:
         except Exception as error:
             name = getattr(fn, "__qualname__", type(fn).__name__)
             raise ConfigError(
-                f"async_generation: the reward function {name!r} cannot be sent to the rollout worker ({error}); "
+                f"async_generation: the {what} {name!r} cannot be sent to the rollout worker ({error}); "
                 "define it at the top level of a module (or use a picklable object, functools.partial), or set "
                 "async_generation: false"
             ) from None
@@ -188,6 +188,9 @@ class WorkerSpec:
     group_host: str = "127.0.0.1"
     group_port: int = 0
     output_dir: str = ""  # the run folder (a vLLM server the worker starts logs there)
+    tools: list[Any] | None = None  # the Python API's tools (None: the config's import paths)
+    environment_factory: Any = None  # the Python API's environment factory (None: the config's)
+    prompt_style: str = "plain"  # the run's prompt style (tool_format: auto follows it)
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,7 @@ def _no_shared_locks() -> None:
 
 def _produce_forever(spec: WorkerSpec, weights: dict[str, torch.Tensor] | GroupAddress, link: Link) -> None:
     """Build the worker's own policy copy, engine and producer, then produce until the trainer stops it."""
+    from pods.agents import multi_turn_engine
     from pods.config import TrainConfig
     from pods.models import load_policy
     from pods.rollout import build_engine
@@ -296,6 +300,10 @@ def _produce_forever(spec: WorkerSpec, weights: dict[str, torch.Tensor] | GroupA
         share_prefix=config.packing,
     )
     engine = BehaviourLogprobs(engine, model, config)
+    engine = multi_turn_engine(
+        engine, config, policy.tokenizer, spec.prompt_style,
+        tools=spec.tools, environment_factory=spec.environment_factory,
+    )  # fmt: skip
     try:
         link.send(("ready",))
         _produce(spec, weights, link, config, model, engine, policy.tokenizer, workers)
@@ -329,9 +337,9 @@ def _produce(
 ) -> None:
     from pods.producer import Producer, score_batch, seed_step
 
-    def score(batch: list[dict[str, Any]], rollouts: Any) -> Any:
+    def score(batch: list[dict[str, Any]], rollouts: Any, environments: list[Any] | None = None) -> Any:
         fault_point("worker_scoring")
-        return score_batch(spec.reward_funcs, config, batch, rollouts)
+        return score_batch(spec.reward_funcs, config, batch, rollouts, environments)
 
     trainable = dict(trainable_parameters(model))
     incoming = _incoming_weights(weights, trainable)
@@ -395,16 +403,27 @@ class BehaviourLogprobs:
         self.engine, self.model, self.config = engine, model, config
         self.precision = mixed_precision(config, next(model.parameters()).device)
 
+    def __getattr__(self, name: str) -> Any:  # tokenizer, pad_token_id, ... of the engine inside
+        if name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
     def generate(self, prompts: list[str], num_generations: int, sampling: Any) -> Any:
+        from pods.rollout.base import tokenize_prompts
+
+        return self.generate_tokens(tokenize_prompts(self.engine, prompts, num_generations), num_generations, sampling)
+
+    def generate_tokens(self, encoded: list[list[int]], num_generations: int, sampling: Any) -> Any:
+        """:meth:`generate` from token ids (a multi-turn episode's turns: each turn's log-probs under its context)."""
         from pods.loss import completion_logprobs
         from pods.rollout import HFGenerateEngine
 
         if not isinstance(self.engine, HFGenerateEngine):  # vLLM: its own dtype, and it reports its log-probs
-            rollouts = self.engine.generate(prompts, num_generations, sampling)
+            rollouts = self.engine.generate_tokens(encoded, num_generations, sampling)
             fault_point("worker_generating")
             return rollouts
         with self.precision():
-            rollouts = self.engine.generate(prompts, num_generations, sampling)
+            rollouts = self.engine.generate_tokens(encoded, num_generations, sampling)
         fault_point("worker_generating")
         with torch.no_grad(), self.precision():
             rollouts.sampling_logprobs = completion_logprobs(

@@ -20,12 +20,14 @@ spans processes, and gradients are synchronised as usual.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pods.agents import load_environment_factory, load_tools, multi_turn_engine
 from pods.auto_generations import AutoGenerations
 from pods.checkpoint import (
     TrainerState,
@@ -116,6 +118,8 @@ class PODSTrainer:
         reward_funcs: list[RewardFunction] | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
+        tools: list[Callable[..., Any]] | None = None,
+        environment_factory: Callable[[], Any] | None = None,
     ) -> None:
         from pods.data import get_task
 
@@ -201,6 +205,14 @@ class PODSTrainer:
             vllm_options=trainer_vllm_options(cfg, acc, self.output_dir),
             share_prefix=cfg.packing,
         )
+        # tools or an environment: episodes turn by turn (the worker builds the same around its own engine)
+        self.api_tools = (tools, environment_factory)  # the Python API's own callables (the worker gets them pickled)
+        self.tools = list(tools) if tools is not None else load_tools(cfg.tools)
+        self.environment_factory = environment_factory or load_environment_factory(cfg.environment_factory)
+        self.engine = multi_turn_engine(
+            self.engine, cfg, self.tokenizer, self.prompt_style,
+            tools=self.tools, environment_factory=self.environment_factory,
+        )  # fmt: skip
         self.rollouts: RolloutSource | None = None  # stages 0-2: here or in a rollout worker, in train()
         self.producer = Producer(
             cfg, self.engine, self.tokenizer, self.train_rows, score=self._score, accelerator=acc
@@ -330,6 +342,8 @@ class PODSTrainer:
                 weight_sync_backend=self.weight_sync_backend,
                 num_generations=self._num_generations(),
                 output_dir=self.output_dir,
+                tools=self.api_tools,
+                prompt_style=self.prompt_style,
             )
         else:
             self.rollouts = LocalRollouts(
@@ -374,10 +388,10 @@ class PODSTrainer:
             )
 
     def _score(
-        self, batch: list[dict[str, Any]], rollouts: Rollouts
+        self, batch: list[dict[str, Any]], rollouts: Rollouts, environments: list[Any] | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """2. The rewards of a round (:func:`pods.producer.score_batch`; a hook for subclasses)."""
-        return score_batch(self.reward_funcs, self.config, batch, rollouts)
+        return score_batch(self.reward_funcs, self.config, batch, rollouts, environments)
 
     def _update(
         self, state: TrainerState, batch: Rollouts, advantages: torch.Tensor, trained: torch.Tensor

@@ -92,11 +92,11 @@ class RecordingTrainer(PODSTrainer):
             poisoned = {int(call) for call in os.environ["TINY_RUN_NAN_FORWARDS"].split(",")}
             self.accelerator.unwrap_model(self.model).lm_head.register_forward_hook(nan_on(poisoned))
 
-    def _score(self, batch, rollouts):
+    def _score(self, batch, rollouts, environments=None):
         if "TINY_RUN_REWARD_SLEEP" in os.environ:  # a scoring phase long enough to signal mid-step
             print("REWARD CALL", flush=True)
             time.sleep(float(os.environ["TINY_RUN_REWARD_SLEEP"]))
-        rewards, per_function = super()._score(batch, rollouts)
+        rewards, per_function = super()._score(batch, rollouts, environments)
         self.scored.append(  # step: the update this scoring feeds (a refill round scores again before it)
             {
                 "step": len(self.updates),

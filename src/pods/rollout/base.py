@@ -75,6 +75,9 @@ class Rollouts:
     # rollouts): tool output is context the model reads (it stays under completion_mask) but gets no loss, no
     # KL and no gradient. None: every completion token was sampled.
     tool_mask: torch.Tensor | None = None
+    # [P*n, 3] multi-turn rollouts: tool calls made, calls answered with an error, model turns
+    # (pods.agents.EPISODE_STATS). None: single-turn rollouts.
+    episode_stats: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         rows = self.num_prompts * self.num_generations
@@ -104,6 +107,8 @@ class Rollouts:
             )
         if self.tool_mask is not None:
             check_tool_mask(self.tool_mask, tuple(self.completion_ids.shape))
+        if self.episode_stats is not None and tuple(self.episode_stats.shape) != (rows, 3):
+            raise ValueError(f"episode_stats must have shape ({rows}, 3), got {tuple(self.episode_stats.shape)}.")
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -157,6 +162,7 @@ class Rollouts:
                 None if self.sampling_logprobs is None else self.sampling_logprobs[rows][:, :completion_end]
             ),
             tool_mask=None if self.tool_mask is None else self.tool_mask[rows][:, :completion_end],
+            episode_stats=None if self.episode_stats is None else self.episode_stats[rows],
         )
 
 
@@ -200,7 +206,21 @@ def concat_rollouts(parts: list[Rollouts], pad_id: int = 0) -> Rollouts:
             if all(p.tool_mask is None for p in parts)
             else torch.cat([pad(sampled_tokens(p), completion_width, 0, left=False) for p in parts])
         ),
+        episode_stats=(
+            None
+            if all(p.episode_stats is None for p in parts)
+            else torch.cat([episode_stats_of(p) for p in parts])
+        ),
     )
+
+
+def episode_stats_of(rollouts: Rollouts) -> torch.Tensor:
+    """``[rows, 3]`` the rollouts' episode statistics; single-turn rows count one turn and no calls."""
+    if rollouts.episode_stats is not None:
+        return rollouts.episode_stats
+    stats = torch.zeros((len(rollouts), 3), dtype=torch.long)
+    stats[:, 2] = 1
+    return stats
 
 
 def sampled_tokens(rollouts: Rollouts) -> torch.Tensor:

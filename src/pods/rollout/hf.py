@@ -140,7 +140,12 @@ class HFGenerateEngine:
 
     def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
         """``num_generations`` completions of each prompt, prompt-major (row ``p * n + i``)."""
-        encoded = tokenize_prompts(self, prompts, num_generations)
+        return self.generate_tokens(tokenize_prompts(self, prompts, num_generations), num_generations, sampling)
+
+    def generate_tokens(
+        self, encoded: list[list[int]], num_generations: int, sampling: SamplingParams
+    ) -> Rollouts:
+        """:meth:`generate` from prompts given as token ids (a multi-turn episode's context, never re-tokenized)."""
         prompt_ids, prompt_mask = left_pad(encoded, self.pad_token_id)
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
@@ -181,7 +186,7 @@ class HFGenerateEngine:
             completion_mask=completion_mask,
             texts=[cut_after_stop(text, sampling.stop_strings) for text in texts],
             truncated=truncated,
-            num_prompts=len(prompts),
+            num_prompts=len(encoded),
             num_generations=num_generations,
         )
 

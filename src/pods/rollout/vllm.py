@@ -279,7 +279,12 @@ class VLLMEngine:
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
         """``num_generations`` completions of each prompt, prompt-major, with the log-probs vLLM sampled."""
-        encoded = tokenize_prompts(self, prompts, num_generations)
+        return self.generate_tokens(tokenize_prompts(self, prompts, num_generations), num_generations, sampling)
+
+    def generate_tokens(
+        self, encoded: list[list[int]], num_generations: int, sampling: SamplingParams
+    ) -> Rollouts:
+        """:meth:`generate` from prompts given as token ids (a multi-turn episode's context, never re-tokenized)."""
         requests = [self._vllm.inputs.TokensPrompt(prompt_token_ids=ids) for ids in encoded]
         params = self._sampling_params(sampling, num_generations)
         llm = self._llm()

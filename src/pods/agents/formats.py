@@ -1,0 +1,211 @@
+"""How tool calls look in the model's text, and how answers go back, as token ids.
+
+Two formats:
+
+- ``chat_template`` (TRL's shape): the tools are rendered into the prompt by the tokenizer's chat template; a
+  model turn ends at EOS; its calls are read by the tokenizer's own ``parse_response`` where it has a response
+  template (transformers >= 5), else from Hermes-style ``<tool_call>{json}</tool_call>`` blocks (Qwen2.5, Qwen3 and
+  most open models); answers are the chat template's tool messages, as the template renders them after a call.
+- ``text`` (pods' own, for base models without a chat template, the embedded ``products`` task's): the model
+  writes ``<call>name(arguments)</call>``, its turn ends there, and the answer ``<result>text</result>`` follows.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from pods.agents.tools import ToolAnswer, ToolCall
+from pods.errors import ConfigError
+
+__all__ = [
+    "TOOL_FORMATS",
+    "ChatTemplateFormat",
+    "TextFormat",
+    "ToolFormat",
+    "bind_text_arguments",
+    "make_format",
+]
+
+TOOL_FORMATS = ("auto", "chat_template", "text")
+
+
+class ToolFormat(Protocol):
+    """What the multi-turn engine needs to know of a tool-call format."""
+
+    stop_strings: tuple[str, ...]  # strings that end a model turn (besides EOS)
+
+    def render(self, prompt: Any, schemas: list[dict[str, Any]]) -> str:
+        """The prompt text the model sees first (the tools described where the format does)."""
+        ...
+
+    def parse(self, turn_ids: list[int], context_ids: list[int]) -> list[ToolCall]:
+        """The calls in one model turn (its token ids, after ``context_ids``); none ends the episode."""
+        ...
+
+    def answer_ids(self, answers: list[ToolAnswer]) -> list[int]:
+        """The tokens that follow a turn's calls: their answers, and whatever opens the model's next turn."""
+        ...
+
+
+class TextFormat:
+    """``<call>name(arguments)</call>`` then ``<result>text</result>``: a format small models learn in minutes."""
+
+    CALL = re.compile(r"<call>(.*?)</call>", re.DOTALL)
+    SIGNATURE = re.compile(r"\s*([A-Za-z_]\w*)\s*\((.*)\)\s*", re.DOTALL)
+    stop_strings = ("</call>",)
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def render(self, prompt: Any, schemas: list[dict[str, Any]]) -> str:
+        from pods.prompts import render_prompt
+
+        return render_prompt(prompt, self.tokenizer)
+
+    def parse(self, turn_ids: list[int], context_ids: list[int]) -> list[ToolCall]:
+        text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
+        calls = []
+        for body in self.CALL.findall(text):
+            match = self.SIGNATURE.fullmatch(body)
+            if match is None:
+                calls.append(
+                    ToolCall("?", {}, f"cannot read the call {body.strip()!r}; write name(arguments)")
+                )
+            else:
+                calls.append(ToolCall(match.group(1), {}, text_arguments=match.group(2).strip()))
+        return calls
+
+    def answer_ids(self, answers: list[ToolAnswer]) -> list[int]:
+        text = "".join(f"<result>{answer.text}</result>" for answer in answers)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def bind_text_arguments(tool: Callable[..., Any], text: str) -> dict[str, Any]:
+    """Keyword arguments for ``tool`` from the text between its parentheses: the whole text for a tool of one
+    parameter, else comma-separated values in the parameters' order; ints, floats and bools converted by the type
+    hints. Raises ValueError naming what does not fit."""
+    parameters = list(inspect.signature(tool).parameters.values())
+    if not parameters:
+        if text:
+            raise ValueError(f"{tool.__name__} takes no arguments, got {text!r}")
+        return {}
+    values = [text] if len(parameters) == 1 else ([v.strip() for v in text.split(",")] if text else [])
+    required = [p for p in parameters if p.default is inspect.Parameter.empty]
+    if not len(required) <= len(values) <= len(parameters):
+        raise ValueError(f"{tool.__name__} takes {len(parameters)} arguments, got {len(values)}")
+    return {p.name: _convert(value, p) for p, value in zip(parameters, values, strict=False)}
+
+
+def _convert(value: str, parameter: inspect.Parameter) -> Any:
+    kind = parameter.annotation
+    kind = {"int": int, "float": float, "bool": bool, "str": str}.get(kind, kind)  # postponed annotations
+    try:
+        if kind is bool:
+            if value.lower() not in ("true", "false"):
+                raise ValueError
+            return value.lower() == "true"
+        if kind in (int, float):
+            return kind(value)
+    except ValueError:
+        raise ValueError(f"{parameter.name} must be {kind.__name__}, got {value!r}") from None
+    return value
+
+
+class ChatTemplateFormat:
+    """TRL's shape: tools in the chat template, calls parsed as transformers parses them, answers as tool messages."""
+
+    HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    stop_strings: tuple[str, ...] = ()
+
+    def __init__(self, tokenizer: Any) -> None:
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ConfigError(
+                "tool_format: chat_template needs a tokenizer with a chat template that renders tools; this one "
+                "has none. Set tokenizer.chat_template, or use tool_format: text with a plain prompt"
+            )
+        self.tokenizer = tokenizer
+        self.has_parser = bool(
+            getattr(tokenizer, "response_template", None) or getattr(tokenizer, "response_schema", None)
+        )
+        if not self.has_parser and "<tool_call>" not in template:
+            raise ConfigError(
+                "tool_format: chat_template: the tokenizer has no response template (transformers' "
+                "parse_response) and its chat template does not write <tool_call> blocks, so the model's tool "
+                "calls cannot be read; set tokenizer.response_template (TRL's add_response_schema does it for "
+                "known models)"
+            )
+        self._suffixes: dict[str, list[int]] = {}
+
+    def render(self, prompt: Any, schemas: list[dict[str, Any]]) -> str:
+        if not isinstance(prompt, list):
+            raise ConfigError(
+                "tool_format: chat_template renders the tools into chat prompts, but this prompt is text; use "
+                "prompt_style: chat (or conversational data), or tool_format: text"
+            )
+        return self.tokenizer.apply_chat_template(
+            prompt, tools=schemas or None, add_generation_prompt=True, tokenize=False
+        )
+
+    def parse(self, turn_ids: list[int], context_ids: list[int]) -> list[ToolCall]:
+        if self.has_parser:
+            message = self.tokenizer.parse_response(turn_ids, prefix=context_ids)
+            return [_message_call(call) for call in (message.get("tool_calls") or [])]
+        text = self.tokenizer.decode(turn_ids, skip_special_tokens=False)
+        calls = []
+        for body in self.HERMES.findall(text):
+            try:
+                call = json.loads(body)
+            except json.JSONDecodeError as error:
+                calls.append(ToolCall("?", {}, f"the tool call is not valid JSON ({error.msg})"))
+                continue
+            calls.append(_message_call({"function": call} if isinstance(call, dict) else call))
+        return calls
+
+    def answer_ids(self, answers: list[ToolAnswer]) -> list[int]:
+        """The tokens the chat template writes after an assistant turn with calls for these tool messages (the
+        difference of two renderings, cut after the turn's EOS, as TRL computes it)."""
+        messages = [{"role": "tool", "name": a.name, "content": a.text} for a in answers]
+        call = {"type": "function", "function": {"name": answers[0].name, "arguments": {}}}
+        turn = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        render = self.tokenizer.apply_chat_template
+        before = list(render(turn, add_generation_prompt=False, tokenize=True, return_dict=False))
+        after = list(render(turn + messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        eos = [i for i, token in enumerate(before) if token == self.tokenizer.eos_token_id]
+        if eos:
+            before = before[: eos[-1] + 1]
+        if after[: len(before)] != before:
+            raise ConfigError(
+                "tool_format: chat_template: the chat template renders an assistant turn differently once tool "
+                "messages follow it, so the tool answers' tokens cannot be appended to what the model wrote"
+            )
+        return after[len(before) :]
+
+
+def _message_call(call: Any) -> ToolCall:
+    """A ToolCall from a parsed message's ``{"type": "function", "function": {"name", "arguments"}}``."""
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        return ToolCall("?", {}, f"cannot read the tool call {call!r}: it needs a name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as error:
+            return ToolCall(function["name"], {}, f"the arguments are not valid JSON ({error.msg})")
+    if not isinstance(arguments, dict):
+        return ToolCall(function["name"], {}, f"the arguments must be an object, got {arguments!r}")
+    return ToolCall(function["name"], arguments)
+
+
+def make_format(name: str, tokenizer: Any, prompt_style: str) -> ToolFormat:
+    """The format called ``name``; ``auto`` is ``chat_template`` for chat prompts and ``text`` otherwise."""
+    if name not in TOOL_FORMATS:
+        raise ConfigError(f"tool_format: unknown value {name!r}; choose one of {', '.join(TOOL_FORMATS)}")
+    if name == "auto":
+        name = "chat_template" if prompt_style == "chat" else "text"
+    return ChatTemplateFormat(tokenizer) if name == "chat_template" else TextFormat(tokenizer)
