@@ -45,6 +45,11 @@ class TrainingProgress:
             f"acc {metrics.get('accuracy', 0):.3f}  "
             f"gen {metrics.get('seconds_generate', 0):.2f}s upd {metrics.get('seconds_update', 0):.2f}s"
         )
+        if "tools/call_frequency" in metrics:  # multi-turn rollouts: calls per rollout, their errors, turns
+            text += (
+                f"  tools {metrics['tools/call_frequency']:.2f}/rollout "
+                f"(err {metrics['tools/failure_frequency']:.0%}) turns {metrics['tools/mean_turns']:.2f}"
+            )
         done = min(train_seconds if self.by_time else step, self.total)
         self._progress.update(self._task, completed=done, step=step, budget=budget, metrics=text)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pods.agents import load_environment_factory, load_tools, multi_turn_engine
+from pods.agents import load_environment_factory, load_tools, multi_turn_engine, run_tools
 from pods.auto_generations import AutoGenerations
 from pods.checkpoint import (
     TrainerState,
@@ -206,8 +206,11 @@ class PODSTrainer:
             share_prefix=cfg.packing,
         )
         # tools or an environment: episodes turn by turn (the worker builds the same around its own engine)
-        self.api_tools = (tools, environment_factory)  # the Python API's own callables (the worker gets them pickled)
-        self.tools = list(tools) if tools is not None else load_tools(cfg.tools)
+        self.api_tools = (
+            tools,
+            environment_factory,
+        )  # the Python API's own callables (the worker gets them pickled)
+        self.tools = list(tools) if tools is not None else load_tools(run_tools(cfg))
         self.environment_factory = environment_factory or load_environment_factory(cfg.environment_factory)
         self.engine = multi_turn_engine(
             self.engine, cfg, self.tokenizer, self.prompt_style,

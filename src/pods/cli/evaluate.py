@@ -87,6 +87,15 @@ def register(commands: argparse._SubParsersAction) -> None:
         default="auto",
         help="auto: vLLM where it is installed and can run, else Hugging Face generate (default: auto)",
     )
+    agent = evaluate.add_argument_group("tools (docs/agents.md): episodes turn by turn, as in training")
+    option(
+        agent, "tools", nargs="+", help="file.py:function or module:function per tool (default: the task's)"
+    )
+    option(agent, "environment_factory", help="file.py:Class: one environment per rollout, reset(**row)")
+    option(agent, "tool_format", choices=("auto", "chat_template", "text"), default="auto",
+           help="how calls are written: chat_template, text (<call>f(x)</call>); auto: by the prompt style")  # fmt: skip
+    option(agent, "max_tool_calling_iterations", type=int, help="rounds of tool calls per episode at most")
+    option(agent, "tool_timeout", type=float, default=10.0, help="seconds a turn's tool calls may take")
     evaluate.add_argument("--output", help="JSON report path (default: eval-DATASET-PROTOCOL.json)")
     evaluate.set_defaults(handler=run_eval)
 
@@ -104,6 +113,7 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     choose = user_dataset if args.dataset_name is not None else task_dataset
     dataset, accuracy_fn, style, max_new_tokens = choose(args, tokenizer)
     engine = eval_engine(args.rollout_engine, model, tokenizer, dataset, max_new_tokens, args.batch_size)
+    engine = with_tools(engine, args, tokenizer, style, max_new_tokens)
     result = evaluate(
         model,
         tokenizer,
@@ -172,6 +182,11 @@ def with_defaults(args: argparse.Namespace) -> None:
             args.split = args.split or (config.dataset_test_split if from_config else config.eval_split)
             args.prompt_style = args.prompt_style or config.prompt_style
             args.max_new_tokens = args.max_new_tokens or config.max_completion_length
+            for key in ("tools", "environment_factory", "max_tool_calling_iterations"):  # its episodes' tools
+                if getattr(args, key) is None:
+                    setattr(args, key, getattr(config, key))
+            if args.tool_format == "auto":
+                args.tool_format = config.tool_format
             if args.accuracy_reward is None:
                 from pods.run_inputs import accuracy_spec
 
@@ -227,6 +242,25 @@ def user_dataset(args: argparse.Namespace, tokenizer) -> tuple[Any, Any, str, in
     )
     check_reward_columns([accuracy_fn], rows, f"--dataset_name {args.dataset_name} split {args.split}")
     return rows, accuracy_fn, args.prompt_style or "raw", args.max_new_tokens or 512
+
+
+def with_tools(engine: Any, args: argparse.Namespace, tokenizer: Any, style: str, max_new_tokens: int) -> Any:
+    """The engine run turn by turn with ``--tools`` / ``--environment_factory`` (the task's tools by default)."""
+    from types import SimpleNamespace
+
+    from pods.agents import multi_turn_engine
+
+    settings = SimpleNamespace(
+        tools=args.tools,
+        environment_factory=args.environment_factory,
+        tool_format=args.tool_format,
+        max_tool_calling_iterations=args.max_tool_calling_iterations,
+        tool_timeout=args.tool_timeout,
+        max_completion_length=max_new_tokens,
+        dataset_name=args.dataset_name,
+        task=args.dataset,
+    )
+    return multi_turn_engine(engine, settings, tokenizer, style)
 
 
 def eval_engine(requested: str, model, tokenizer, dataset, max_new_tokens: int, batch_size: int):

@@ -29,6 +29,7 @@ class Task:
     prompt_style: str = "chat"  # chat, plain or raw, when the run does not choose
     plain_template: str | None = None  # the plain-style prompt (default: pods.prompts.DEFAULT_PLAIN_TEMPLATE)
     max_new_tokens: int = 512  # completion budget at evaluation, when the run does not choose
+    tools: tuple[str, ...] = ()  # import paths of the tools its episodes call, when the run names none
 
     def load(
         self,
