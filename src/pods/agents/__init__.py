@@ -36,6 +36,7 @@ __all__ = [
     "load_environment_factory",
     "load_tools",
     "multi_turn_engine",
+    "run_tools",
     "sample_rollouts",
     "tool_schemas",
 ]
@@ -50,6 +51,16 @@ def load_environment_factory(spec: str | None) -> Callable[[], Any] | None:
     return import_function(spec, "environment_factory")
 
 
+def run_tools(config: Any) -> list[str]:
+    """The import paths of a run's tools: ``tools``, else its task's own (the embedded ``products`` task's
+    calculator); none with ``dataset_name`` unless named."""
+    if config.tools is not None or config.dataset_name is not None:
+        return list(config.tools or [])
+    from pods.data import get_task
+
+    return list(get_task(config.task).tools)
+
+
 def multi_turn_engine(
     engine: Any,
     config: Any,
@@ -61,7 +72,7 @@ def multi_turn_engine(
 ) -> Any:
     """``engine`` run turn by turn with the run's tools (``tools`` / ``environment_factory`` given here, else
     the config's import paths); ``engine`` itself for a run without any."""
-    tools = list(tools) if tools is not None else load_tools(config.tools)
+    tools = list(tools) if tools is not None else load_tools(run_tools(config))
     if environment_factory is None:
         environment_factory = load_environment_factory(config.environment_factory)
     if not tools and environment_factory is None:
