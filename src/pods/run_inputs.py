@@ -116,7 +116,7 @@ def no_held_out_evaluation(config: TrainConfig) -> str | None:
 
 
 def check_reward_columns(
-    reward_funcs: list[Callable[..., Any]], rows: list[dict[str, Any]], what: str
+    reward_funcs: list[Callable[..., Any]], rows: list[dict[str, Any]], what: str, extra: tuple[str, ...] = ()
 ) -> None:
     """Before training: the built-in checkers need an ``answer`` column, and a function without ``**kwargs`` must
     name every column it receives (each row's columns reach every reward function as keywords)."""
@@ -141,7 +141,8 @@ def check_reward_columns(
             continue
         if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
             continue
-        missing = [c for c in ("prompts", "completions", "completion_ids", *columns) if c not in parameters]
+        passed = ("prompts", "completions", "completion_ids", *extra, *columns)  # extra: environments
+        missing = [c for c in passed if c not in parameters]
         if missing:
             raise ConfigError(
                 f"reward function {reward_name(fn)!r} does not accept {', '.join(missing)}; every reward is called "

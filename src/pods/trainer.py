@@ -27,7 +27,13 @@ from typing import Any
 
 import torch
 
-from pods.agents import load_environment_factory, load_tools, multi_turn_engine, run_tools
+from pods.agents import (
+    environment_rewards,
+    load_environment_factory,
+    load_tools,
+    multi_turn_engine,
+    run_tools,
+)
 from pods.auto_generations import AutoGenerations
 from pods.checkpoint import (
     TrainerState,
@@ -133,7 +139,14 @@ class PODSTrainer:
 
             get_rule(cfg.selection_rule)
             self.task = get_task(cfg.task)
-        self.reward_funcs = reward_funcs
+        # tools or an environment: episodes turn by turn (the engine is wrapped below; the worker wraps its own)
+        self.api_tools = (tools, environment_factory)  # the Python API's own (the worker gets them pickled)
+        self.tools = list(tools) if tools is not None else load_tools(run_tools(cfg))
+        self.environment_factory = environment_factory or load_environment_factory(cfg.environment_factory)
+        owned = environment_rewards(self.environment_factory)  # TRL: an environment with get_reward owns one
+        if owned and cfg.reward_weights is not None:
+            cfg.reward_weights = [*cfg.reward_weights, 1.0]  # weighed 1, as TRL does
+        self.reward_funcs = reward_funcs = [*reward_funcs, *owned]
         self.prompt_style = cfg.prompt_style or self.task.prompt_style
         if cfg.reward_weights is not None and len(cfg.reward_weights) != len(reward_funcs):
             raise ConfigError(
@@ -176,7 +189,10 @@ class PODSTrainer:
         self.accuracy_fn = accuracy_function(cfg, reward_funcs)
         self.accuracy_name = name_among(reward_funcs, self.accuracy_fn)  # its column among the run's rewards
         if cfg.dataset_name is not None and train_dataset is None:  # your rewards against your columns, now
-            check_reward_columns(reward_funcs, self.train_rows, f"dataset_name {cfg.dataset_name!r}")
+            check_reward_columns(
+                reward_funcs, self.train_rows, f"dataset_name {cfg.dataset_name!r}",
+                extra=("environments",) if self.environment_factory is not None else (),
+            )  # fmt: skip
 
         trainable = [p for p in self.policy.model.parameters() if p.requires_grad]
         optimizer = build_optimizer(cfg, trainable, deepspeed=acc.state.deepspeed_plugin is not None)
@@ -205,13 +221,6 @@ class PODSTrainer:
             vllm_options=trainer_vllm_options(cfg, acc, self.output_dir),
             share_prefix=cfg.packing,
         )
-        # tools or an environment: episodes turn by turn (the worker builds the same around its own engine)
-        self.api_tools = (
-            tools,
-            environment_factory,
-        )  # the Python API's own callables (the worker gets them pickled)
-        self.tools = list(tools) if tools is not None else load_tools(run_tools(cfg))
-        self.environment_factory = environment_factory or load_environment_factory(cfg.environment_factory)
         self.engine = multi_turn_engine(
             self.engine, cfg, self.tokenizer, self.prompt_style,
             tools=self.tools, environment_factory=self.environment_factory,

@@ -12,10 +12,12 @@ from typing import Any
 from pods.agents.episodes import EPISODE_STATS, Episodes, MultiTurnEngine, sample_rollouts
 from pods.agents.formats import TOOL_FORMATS, ChatTemplateFormat, TextFormat, make_format
 from pods.agents.tools import (
+    EnvironmentReward,
     ToolAnswer,
     Toolbox,
     ToolCall,
     call_tools,
+    environment_rewards,
     environment_tools,
     load_tools,
     tool_schemas,
@@ -25,6 +27,7 @@ __all__ = [
     "EPISODE_STATS",
     "TOOL_FORMATS",
     "ChatTemplateFormat",
+    "EnvironmentReward",
     "Episodes",
     "MultiTurnEngine",
     "TextFormat",
@@ -32,6 +35,7 @@ __all__ = [
     "ToolCall",
     "Toolbox",
     "call_tools",
+    "environment_rewards",
     "environment_tools",
     "load_environment_factory",
     "load_tools",

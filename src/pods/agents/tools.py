@@ -16,10 +16,12 @@ from typing import Any
 from pods.errors import ConfigError
 
 __all__ = [
+    "EnvironmentReward",
     "ToolAnswer",
     "ToolCall",
     "Toolbox",
     "call_tools",
+    "environment_rewards",
     "environment_tools",
     "load_tools",
     "tool_schemas",
@@ -170,3 +172,27 @@ def run_call(toolbox: Toolbox, call: ToolCall) -> ToolAnswer:
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
+
+
+class EnvironmentReward:
+    """An environment's own reward (TRL: an environment with ``get_reward`` owns it): ``get_reward()`` of each
+    episode's environment, a reward function named after the environment's class (it pickles as that name)."""
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = name
+
+    def __call__(
+        self, prompts: list[Any], completions: list[Any], environments: list[Any] | None = None, **_: Any
+    ):
+        if environments is None:
+            raise ValueError(f"{self.__name__}: the environment's reward needs its environments")
+        return [float(environment.get_reward()) for environment in environments]
+
+
+def environment_rewards(environment_factory: Callable[[], Any] | None) -> list[EnvironmentReward]:
+    """``[EnvironmentReward]`` where the factory's environments define ``get_reward`` (one probe instance, as TRL
+    checks), else ``[]``."""
+    if environment_factory is None:
+        return []
+    kind = environment_factory if isinstance(environment_factory, type) else type(environment_factory())
+    return [EnvironmentReward(kind.__name__)] if callable(getattr(kind, "get_reward", None)) else []
