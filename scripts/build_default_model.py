@@ -4,7 +4,8 @@
     python scripts/build_default_model.py --task arith-hard --out DIR --measure-only  # re-measure DIR, rewrite its card
 
 ``--task`` picks the recipe (``pods.embedded.EMBEDDED_MODELS``): ``arith`` rebuilds arith-base (the
-default model, 600 steps), ``arith-hard`` rebuilds arith-hard-base (the sparse-reward one, 1200 steps).
+default model, 600 steps), ``arith-hard`` rebuilds arith-hard-base (the sparse-reward one, 1200 steps),
+``products`` rebuilds tool-base (the tool-calling one; measured through the multi-turn engine, pods.agents).
 Training is a fixed number of steps, so the result is reproducible on the same torch build and CPU
 (floating-point reductions may differ across machines, so expect close, not identical, weights).
 The build's own record (steps, final loss, training time) is written to build_metrics.json as soon as the
@@ -38,6 +39,14 @@ several wordings; 60% of problems contain one "gives b to X" step (a subtraction
 
     Question: Ben has 11 stickers. He gives 2 of the stickers to Max. Then Ben loses 2 stickers. How many stickers does Ben have now?
     Answer: 11 - 2 = 9. 9 - 2 = 7. #### 7""",
+    "products": """`pods.data.products`: products of two 3-digit numbers (100 to 999), which a calculator tool
+(`pods.data.products.calculator`) solves. Prompt, and the two kinds of solution: one that calls the tool
+(the model's turn ends at `</call>`, the engine appends the tool's answer `<result>...</result>` as
+tool tokens, the model writes the final answer) and one that guesses:
+
+    Question: What is 347 * 589 ?
+    Answer: <call>calculator(347 * 589)</call><result>204383</result> #### 204383
+    Answer: 347 * 589 = 204383 #### 204383""",
     "arith-hard": """`pods.data.arith` word problems of the `arith-hard` task (`HARD_SPEC`): three steps of addition,
 subtraction, doubling or tripling, operands below 20 and every value below 100, several wordings; every
 problem has one "gives b to X" step (a subtraction) and most also a doubling or tripling. Prompt and answer:
@@ -52,6 +61,11 @@ PURPOSE = {
         "It is the base model of the `embedded-hard` and `compare-embedded-hard` presets "
         "(`model: embedded-arith-hard`):\na setting where a sampled solution is rarely right, so small "
         "groups seldom carry a learning signal\nand RL has minutes of climbing to do on a CPU."
+    ),
+    "products": (
+        "It is the base model of the embedded tool task (`model: embedded-products`): greedy decoding\n"
+        "guesses and is wrong, sampling calls the tool now and then and is then right, so RL with a\n"
+        "correctness reward has the share of tool calls to raise."
     ),
 }
 
@@ -110,6 +124,56 @@ Not a general language model: it knows only this task's vocabulary (other words 
 """
 
 
+def tool_model_card(metrics: dict) -> str:
+    """The README.md of the tool task's model: accuracy split by whether a completion calls the tool."""
+    task, g, s = metrics["task"], metrics["greedy"], metrics["sampled_t1"]
+    folder = EMBEDDED_MODELS[task].folder
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    rows = "\n".join(
+        f"| {name} | {pct(m['accuracy'])} | {pct(m['tool_call_share'])} | {pct(m['accuracy_tool'])} | "
+        f"{pct(m['accuracy_guess'])} |"
+        for name, m in (("greedy", g), ("sampled, temperature 1.0", s))
+    )
+    groups = metrics["sample_successes"]
+    return f"""# {folder}: an embedded tool-calling base model of `pods`
+
+A {metrics["parameters"] / 1e6:.2f}M-parameter Llama-architecture causal LM (hidden {MODEL_CONFIG["hidden_size"]},
+{MODEL_CONFIG["num_hidden_layers"]} layers, {MODEL_CONFIG["num_attention_heads"]} heads, MLP {MODEL_CONFIG["intermediate_size"]},
+tied embeddings) with a {metrics["vocab_size"]}-token word-level tokenizer (one token per digit), trained from
+scratch by `pods` itself. {PURPOSE[task]}
+Weights are stored in float32 ({metrics["weights_mb"]:.1f} MB).
+
+## Task
+{TASK_TEXT[task]}
+
+## How it was built
+`python scripts/build_default_model.py --task {task} --steps {metrics["steps"]} --seed {metrics["seed"]}` (supervised
+training, loss on the solution only and never on the tool's answer `<result>...</result>`): {metrics["steps"]} steps
+of batch {metrics["batch_size"]} on distinct train-split problems, AdamW lr {metrics["lr"]} (betas 0.9/0.98, weight
+decay 0.01), 50 warm-up steps then cosine to 10%, grad-norm clip 1.0. By design {round(100 * metrics["tool_share"])}% of
+the supervised solutions call the tool and the rest guess (the true product, written as if computed in the
+head): the model learns to call the tool and copy its answer, and that a guess is the likelier start, while
+a 1M-parameter model cannot learn 6-digit products, so its guesses are wrong. Training took
+{metrics["train_seconds"]:.0f} s on a 2-core VM shared with other jobs (final loss {metrics["final_loss"]:.3f}).
+
+## Measured (held-out test split, {g["num_problems"]} problems, through the multi-turn engine `pods.agents`)
+| decoding | all | calls the tool | right when it calls | right when it guesses |
+|---|---|---|---|---|
+{rows}
+
+Per-sample success (temperature 1.0, {groups["samples"]} samples on each of {groups["problems"]} problems):
+{pct(groups["per_sample"])} of samples are right; {pct(groups["problems_never_solved"])} of problems have no right sample.
+Share of groups with both a right and a wrong completion (a non-zero advantage):
+{pct(groups["informative_n4"])} at n = 4, {pct(groups["informative_n16"])} at n = 16.
+
+Generation speed (HF `generate`, KV cache, 16 prompts x 16 samples, 32 new tokens, median of 3):
+{metrics["generate_16x16x32_s"]:.2f} s.
+
+Not a general language model: it knows only this task's vocabulary (other words, such as those of a tool's
+error message, become `<unk>`).
+"""
+
+
 def measure(out: Path, record: dict, *, eval_problems: int) -> dict:
     """The model in ``out`` measured on its task (greedy and sampled accuracy, per-sample success,
     informative-group shares, sampling speed) on top of its build ``record``."""
@@ -165,7 +229,8 @@ def main() -> None:
         record = build_base_model(out, task=args.task, seed=args.seed, steps=args.steps, eval_problems=0)
         card_path.write_text(json.dumps(record, indent=2) + "\n")  # kept if the measurement is interrupted
     metrics = measure(out, record, eval_problems=args.eval_problems)
-    (out / "README.md").write_text(model_card(metrics))
+    card = tool_model_card if EMBEDDED_MODELS[args.task].uses_tool else model_card
+    (out / "README.md").write_text(card(metrics))
     card_path.write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps(metrics, indent=2))
 

@@ -1,12 +1,15 @@
-"""The embedded models: a word-level tokenizer for the arithmetic tasks, a ~1M-parameter Llama, and
+"""The embedded models: a word-level tokenizer for each embedded task, a ~1M-parameter Llama, and
 the supervised pre-training that turns it into a base model `pods train` fine-tunes with RL.
 
 A base model is trained on worked solutions where most steps of some kinds are written wrongly (a
 "gives b to X" step as an addition, ...; see ``pods.data.arith``), so it knows both the right and a
 plausible wrong procedure: greedy decoding follows the wrong one, sampling sometimes finds the right
-one, and RL has something to select. Two are shipped (:data:`EMBEDDED_MODELS`): ``arith-base`` for the
-``arith`` task (the default) and ``arith-hard-base`` for ``arith-hard``, where sampled solutions are
-rarely right (the sparse-reward regime, with room to climb for minutes on a CPU).
+one, and RL has something to select. Three are shipped (:data:`EMBEDDED_MODELS`): ``arith-base`` for the
+``arith`` task (the default), ``arith-hard-base`` for ``arith-hard``, where sampled solutions are
+rarely right (the sparse-reward regime, with room to climb for minutes on a CPU), and ``tool-base`` for
+the tool task ``products`` (``pods.data.products``), whose supervised solutions call a calculator in only
+part of them and guess otherwise: greedy decoding guesses (wrongly), sampling sometimes calls the tool
+(and is right), and it is measured through the multi-turn engine (``pods.agents``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pods.data import arith
+from pods.data import arith, products
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # Each piece is an optional leading space plus a word, a single digit, "####" or one other symbol; the
@@ -41,14 +44,21 @@ MODEL_CONFIG = {
 @dataclass(frozen=True)
 class EmbeddedModel:
     """How one shipped base model is built: the task it is for, its problems, the share of each kind of
-    step written with its misconception in the supervised data, and the number of supervised steps."""
+    step written with its misconception in the supervised data (the arith tasks) or the share of solutions
+    that call the tool (the tool task), and the number of supervised steps."""
 
     folder: str  # pods/assets/<folder>
     task: str  # the registered task (pods.data) it is trained and evaluated on
-    spec: arith.ArithSpec
+    spec: arith.ArithSpec | None  # the arith tasks' problems; None for the tool task
     misconception_rates: Mapping[str, float]
     steps: int
-    max_new_tokens: int  # longest solution, misconceived ones included, plus eos
+    max_new_tokens: int  # longest solution, misconceived ones and tool results included, plus eos
+    tool_share: float | None = None  # the tool task: share of supervised solutions that call the tool
+
+    @property
+    def uses_tool(self) -> bool:
+        """Whether its solutions call a tool, so that measuring it needs the multi-turn engine."""
+        return self.tool_share is not None
 
 
 EMBEDDED_MODELS = {
@@ -61,27 +71,44 @@ EMBEDDED_MODELS = {
         1200,
         40,
     ),
+    "products": EmbeddedModel(
+        "tool-base", "products", None, {}, 800, products.MAX_NEW_TOKENS, tool_share=0.35
+    ),
 }
 """The shipped base models by task; a config names one as ``embedded-<task>`` (``embedded`` is ``arith``'s)."""
 
 
-def _task_vocabulary() -> list[str]:
-    """Every piece that the task's texts can contain, in a fixed order."""
+def _arith_text() -> str:
+    """Every word and symbol of the arithmetic tasks' prompts and solutions (templates with fields blanked)."""
     words = [*arith.NAMES_SHE, *arith.NAMES_HE, *arith.ITEMS, "She", "He", "Then"]
     templates = [*arith.OPENINGS, *arith.QUESTIONS, arith.PROMPT_TEMPLATE]
     templates += [t for group in arith.STEP_TEMPLATES.values() for t in group]
-    text = " ".join(re.sub(r"\{\w+\}", " ", t) for t in templates) + " " + " ".join(words)
-    text += " 0 1 2 3 4 5 6 7 8 9 + - * = . ####"
+    return " ".join(re.sub(r"\{\w+\}", " ", t) for t in templates) + " " + " ".join(words)
+
+
+def _products_text() -> str:
+    """Every word and symbol of the tool task's prompts, tool calls, tool results and solutions."""
+    return " ".join(re.sub(r"\{\w+\}", " ", t) for t in products.TEMPLATES)
+
+
+_TASK_TEXTS = {"arith": _arith_text, "arith-hard": _arith_text, "products": _products_text}
+
+
+def _task_vocabulary(task: str = "arith") -> list[str]:
+    """Every piece that ``task``'s texts can contain, in a fixed order (the arith tasks share one)."""
+    if task not in _TASK_TEXTS:
+        raise ValueError(f"no embedded tokenizer for task {task!r}; known: {sorted(_TASK_TEXTS)}")
+    text = _TASK_TEXTS[task]() + " 0 1 2 3 4 5 6 7 8 9 + - * = . ####"
     cores = {piece.strip(" ") for piece in _PIECE.findall(text)} - {""}
     return sorted({f"{space}{core}" for core in cores for space in ("", " ") if core != "\n"} | {" ", "\n"})
 
 
-def build_tokenizer():
-    """A word-level fast tokenizer for the task (one token per digit, exact round trip, left padding)."""
+def build_tokenizer(task: str = "arith"):
+    """A word-level fast tokenizer for ``task`` (one token per digit, exact round trip, left padding)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate([PAD, EOS, UNK, *_task_vocabulary()])}
+    vocab = {token: i for i, token in enumerate([PAD, EOS, UNK, *_task_vocabulary(task)])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE_PATTERN), behavior="isolated")
     backend.decoder = decoders.Fuse()
@@ -122,16 +149,32 @@ def build_untrained_model(tokenizer: Any, *, seed: int = 0, sizes: dict[str, int
     return model
 
 
-def _batch(tokenizer: Any, pairs: list[tuple[str, str]]):
-    """Right-padded input ids, attention mask and labels (loss on the completion and eos only)."""
+Completion = str | Sequence[tuple[str, bool]]
+"""A supervised completion: a text, or (text, written by a tool) segments whose tool parts are context only."""
+
+
+def _completion_ids(tokenizer: Any, completion: Completion) -> tuple[list[int], list[int]]:
+    """Token ids of ``completion`` plus eos, and its labels: the ids, with -100 over a tool's output."""
+    segments = [(completion, False)] if isinstance(completion, str) else completion
+    ids, labels = [], []
+    for text, from_tool in segments:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += [-100] * len(piece) if from_tool else piece
+    return [*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]
+
+
+def _batch(tokenizer: Any, pairs: Sequence[tuple[str, Completion]]):
+    """Right-padded input ids, attention mask and labels (loss on the completion and eos only, never on a
+    tool's output)."""
     import torch
 
     ids, labels = [], []
     for prompt, completion in pairs:
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        c, c_labels = _completion_ids(tokenizer, completion)
         ids.append(p + c)
-        labels.append([-100] * len(p) + c)
+        labels.append([-100] * len(p) + c_labels)
     width = max(len(x) for x in ids)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids])
@@ -173,12 +216,52 @@ def generate_answers(
     return out
 
 
-def _is_correct(completion: str, problem: arith.Problem) -> bool:
+def _test_problems(task: str, num_problems: int, seed: int) -> list[Any]:
+    """The first ``num_problems`` held-out test problems of ``task`` (each with a question and an answer)."""
+    recipe = EMBEDDED_MODELS[task]
+    if recipe.uses_tool:
+        return products.generate_problems(num_problems, seed=seed, split="test")
+    return arith.generate_problems(num_problems, seed=seed, spec=recipe.spec, split="test")
+
+
+def _is_correct(completion: str, problem: Any) -> bool:
     return completion.strip().endswith(f"#### {problem.answer}")
 
 
 def _share(flags: Sequence[bool]) -> float | None:
     return sum(flags) / len(flags) if flags else None
+
+
+def _completions(
+    model: Any, tokenizer: Any, task: str, problems: Sequence[Any], *, temperature: float, samples: int
+) -> tuple[list[str], list[int] | None]:
+    """``samples`` completions of each problem (consecutive), and for the tool task each one's number of
+    tool calls (None for the others): its episodes run through the multi-turn engine, tool answers included."""
+    recipe = EMBEDDED_MODELS[task]
+    prompts = [arith.format_prompt(p.question) for p in problems]
+    if not recipe.uses_tool:
+        texts = generate_answers(
+            model,
+            tokenizer,
+            prompts,
+            temperature=temperature,
+            max_new_tokens=recipe.max_new_tokens,
+            num_return_sequences=samples,
+        )
+        return texts, None
+    from pods.agents import MultiTurnEngine, TextFormat
+    from pods.rollout.base import SamplingParams
+    from pods.rollout.hf import HFGenerateEngine
+
+    engine = MultiTurnEngine(
+        HFGenerateEngine(model, tokenizer, generation_batch_size=256),
+        TextFormat(tokenizer),
+        tools=[products.calculator],
+        max_completion_length=recipe.max_new_tokens,
+    )
+    sampling = SamplingParams(max_new_tokens=recipe.max_new_tokens, temperature=temperature)
+    rollouts = engine.episodes([{"prompt": prompt} for prompt in prompts], samples, sampling).rollouts
+    return rollouts.texts, rollouts.episode_stats[:, 0].tolist()
 
 
 def evaluate(
@@ -191,20 +274,22 @@ def evaluate(
     temperature: float = 0.0,
 ) -> dict[str, Any]:
     """Accuracy on ``task``'s held-out test problems: overall, split by whether the "gives" step occurs
-    (``None`` where no problem falls on a side) and by the number of steps with a misconception."""
-    recipe = EMBEDDED_MODELS[task]
-    problems = arith.generate_problems(num_problems, seed=seed, spec=recipe.spec, split="test")
-    prompts = [arith.format_prompt(p.question) for p in problems]
-    completions = generate_answers(
-        model, tokenizer, prompts, temperature=temperature, max_new_tokens=recipe.max_new_tokens
-    )
+    (``None`` where no problem falls on a side) and by the number of steps with a misconception; for the
+    tool task, split by whether the completion calls the tool, with the share that does."""
+    problems = _test_problems(task, num_problems, seed)
+    completions, calls = _completions(model, tokenizer, task, problems, temperature=temperature, samples=1)
     correct = [_is_correct(c, p) for p, c in zip(problems, completions, strict=True)]
+    metrics: dict[str, Any] = {"accuracy": sum(correct) / len(correct)}
+    if calls is not None:
+        metrics["tool_call_share"] = sum(k > 0 for k in calls) / len(calls)
+        metrics["accuracy_tool"] = _share([ok for ok, k in zip(correct, calls, strict=True) if k > 0])
+        metrics["accuracy_guess"] = _share([ok for ok, k in zip(correct, calls, strict=True) if k == 0])
+        return metrics | {"num_problems": len(correct)}
     by_traps = {
         str(k): _share([ok for ok, p in zip(correct, problems, strict=True) if p.traps == k])
         for k in sorted({p.traps for p in problems})
     }
-    return {
-        "accuracy": sum(correct) / len(correct),
+    return metrics | {
         "accuracy_gives": _share([ok for ok, p in zip(correct, problems, strict=True) if p.has_gives]),
         "accuracy_other": _share([ok for ok, p in zip(correct, problems, strict=True) if not p.has_gives]),
         "accuracy_by_traps": by_traps,
@@ -224,17 +309,8 @@ def sample_successes(
 ) -> list[int]:
     """How many of ``samples`` completions sampled at ``temperature`` are right, for each of ``task``'s
     first ``num_problems`` held-out test problems (the raw material of :func:`informative_share`)."""
-    recipe = EMBEDDED_MODELS[task]
-    problems = arith.generate_problems(num_problems, seed=seed, spec=recipe.spec, split="test")
-    prompts = [arith.format_prompt(p.question) for p in problems]
-    completions = generate_answers(
-        model,
-        tokenizer,
-        prompts,
-        temperature=temperature,
-        max_new_tokens=recipe.max_new_tokens,
-        num_return_sequences=samples,
-    )
+    problems = _test_problems(task, num_problems, seed)
+    completions, _ = _completions(model, tokenizer, task, problems, temperature=temperature, samples=samples)
     return [
         sum(_is_correct(c, p) for c in completions[i * samples : (i + 1) * samples])
         for i, p in enumerate(problems)
@@ -272,9 +348,9 @@ def build_base_model(
     distinct_pairs: int | None = None,
 ) -> dict[str, Any]:
     """Supervised pre-training from scratch on ``task``'s worked solutions (with the misconception mix of
-    its :data:`EMBEDDED_MODELS` recipe unless ``misconception_rates`` is given) for a fixed number of steps
-    (the recipe's unless ``steps`` is given); saves a standard Hugging Face folder and returns measured
-    metrics.
+    its :data:`EMBEDDED_MODELS` recipe unless ``misconception_rates`` is given; for the tool task, the
+    recipe's share of tool calls, the tool's output out of the loss) for a fixed number of steps (the
+    recipe's unless ``steps`` is given); saves a standard Hugging Face folder and returns measured metrics.
 
     For larger models on a GPU (``scripts/gpu_check.py``): ``sizes`` overrides the model's dimensions,
     ``device`` trains there (bf16 autocast on CUDA), ``max_seconds`` ends training early (the learning
@@ -288,13 +364,17 @@ def build_base_model(
     recipe = EMBEDDED_MODELS[task]
     steps = recipe.steps if steps is None else steps
     rates = recipe.misconception_rates if misconception_rates is None else misconception_rates
+    if recipe.uses_tool and misconception_rates:
+        raise ValueError(
+            f"task {task!r} has no misconceptions; its supervised data mix tool calls and guesses"
+        )
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps and batch_size must be positive, got steps={steps}, batch_size={batch_size}")
     output_dir = Path(output_dir)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(task)
     model = build_untrained_model(tokenizer, seed=seed, sizes=sizes).to(device)
     count = min(steps * batch_size, distinct_pairs or steps * batch_size)
-    pairs = arith.supervised_pairs(count, seed=seed, spec=recipe.spec, misconception_rate=rates)
+    pairs = _supervised_pairs(recipe, count, seed, rates)
     random.Random(seed).shuffle(pairs)
     pairs = pairs * math.ceil(steps * batch_size / len(pairs))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -341,7 +421,7 @@ def build_base_model(
         "seed": seed,
         "lr": lr,
     }
-    metrics["misconception_rates"] = dict(rates)
+    metrics |= {"tool_share": recipe.tool_share} if recipe.uses_tool else {"misconception_rates": dict(rates)}
     metrics |= {"final_loss": sum(losses[-20:]) / len(losses[-20:]), "train_seconds": round(train_seconds, 1)}
     metrics["parameters"] = sum(p.numel() for p in model.parameters())
     if eval_problems:
@@ -349,6 +429,15 @@ def build_base_model(
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return metrics
+
+
+def _supervised_pairs(
+    recipe: EmbeddedModel, count: int, seed: int, rates: Mapping[str, float]
+) -> list[tuple[str, Completion]]:
+    """``count`` supervised (prompt, completion) pairs of the recipe's task from its train split."""
+    if recipe.uses_tool:
+        return list(products.supervised_pairs(count, seed=seed, tool_share=recipe.tool_share))
+    return list(arith.supervised_pairs(count, seed=seed, spec=recipe.spec, misconception_rate=rates))
 
 
 def sampling_seconds(
@@ -367,8 +456,7 @@ def sampling_seconds(
 
     import torch
 
-    spec = EMBEDDED_MODELS[task].spec
-    problems = arith.generate_problems(prompts, seed=1, spec=spec, split="test")
+    problems = _test_problems(task, prompts, seed=1)
     batch = tokenizer([arith.format_prompt(p.question) for p in problems], return_tensors="pt", padding=True)
     times = []
     with torch.no_grad():

@@ -2,8 +2,9 @@
 ``question``, ``answer`` (gold final answer, a string), ``solution`` and ``prompt``.
 
 Each task is a :class:`Task`: its reader, prompt, training rewards and accuracy function. Built in:
-``gsm8k``, ``math500``, ``math``, and the embedded synthetic tasks ``arith`` and ``arith-hard``
-(:mod:`pods.data.arith`). Add your own with :func:`register_task`.
+``gsm8k``, ``math500``, ``math``, the embedded synthetic tasks ``arith`` and ``arith-hard``
+(:mod:`pods.data.arith`) and the embedded tool task ``products`` (:mod:`pods.data.products`). Add your
+own with :func:`register_task`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pods.data.arith import ARITH_HARD_TASK, ARITH_TASK
 from pods.data.common import HubUnavailableError, MissingDataError, TaskDataError
 from pods.data.gsm8k import read_gsm8k
 from pods.data.math import read_math, read_math500
+from pods.data.products import PRODUCTS_TASK
 from pods.data.task import Task
 
 __all__ = [
@@ -36,6 +38,7 @@ _TASKS: dict[str, Task] = {
     "math": Task("math", read_math, **_MATH),
     "arith": ARITH_TASK,
     "arith-hard": ARITH_HARD_TASK,
+    "products": PRODUCTS_TASK,
 }
 
 
