@@ -12,10 +12,8 @@ Two formats:
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from pods.agents.tools import ToolAnswer, ToolCall
@@ -23,10 +21,10 @@ from pods.errors import ConfigError
 
 __all__ = [
     "TOOL_FORMATS",
+    "AutoFormat",
     "ChatTemplateFormat",
     "TextFormat",
     "ToolFormat",
-    "bind_text_arguments",
     "make_format",
 ]
 
@@ -82,37 +80,6 @@ class TextFormat:
     def answer_ids(self, answers: list[ToolAnswer]) -> list[int]:
         text = "".join(f"<result>{answer.text}</result>" for answer in answers)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def bind_text_arguments(tool: Callable[..., Any], text: str) -> dict[str, Any]:
-    """Keyword arguments for ``tool`` from the text between its parentheses: the whole text for a tool of one
-    parameter, else comma-separated values in the parameters' order; ints, floats and bools converted by the type
-    hints. Raises ValueError naming what does not fit."""
-    parameters = list(inspect.signature(tool).parameters.values())
-    if not parameters:
-        if text:
-            raise ValueError(f"{tool.__name__} takes no arguments, got {text!r}")
-        return {}
-    values = [text] if len(parameters) == 1 else ([v.strip() for v in text.split(",")] if text else [])
-    required = [p for p in parameters if p.default is inspect.Parameter.empty]
-    if not len(required) <= len(values) <= len(parameters):
-        raise ValueError(f"{tool.__name__} takes {len(parameters)} arguments, got {len(values)}")
-    return {p.name: _convert(value, p) for p, value in zip(parameters, values, strict=False)}
-
-
-def _convert(value: str, parameter: inspect.Parameter) -> Any:
-    kind = parameter.annotation
-    kind = {"int": int, "float": float, "bool": bool, "str": str}.get(kind, kind)  # postponed annotations
-    try:
-        if kind is bool:
-            if value.lower() not in ("true", "false"):
-                raise ValueError
-            return value.lower() == "true"
-        if kind in (int, float):
-            return kind(value)
-    except ValueError:
-        raise ValueError(f"{parameter.name} must be {kind.__name__}, got {value!r}") from None
-    return value
 
 
 class ChatTemplateFormat:
@@ -202,10 +169,45 @@ def _message_call(call: Any) -> ToolCall:
     return ToolCall(function["name"], arguments)
 
 
+class AutoFormat:
+    """``auto``: ``chat_template`` for chat prompts (lists of messages), ``text`` for text prompts, chosen by the
+    prompts themselves (a ``dataset_name`` run's chat prompts are chat whatever its task's prompt style) when the
+    first is rendered; :meth:`render` comes first in an episode, so the other methods go to the chosen format."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.chosen: ToolFormat | None = None
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return () if self.chosen is None else self.chosen.stop_strings
+
+    def render(self, prompt: Any, schemas: list[dict[str, Any]]) -> str:
+        kind = ChatTemplateFormat if isinstance(prompt, list) else TextFormat
+        if self.chosen is None:
+            self.chosen = kind(self.tokenizer)
+        elif not isinstance(self.chosen, kind):
+            raise ConfigError(
+                "tool_format: auto: the prompts mix chat messages and text, so no one call format fits them; "
+                "make them all one kind, or set tool_format"
+            )
+        return self.chosen.render(prompt, schemas)
+
+    def parse(self, turn_ids: list[int], context_ids: list[int]) -> list[ToolCall]:
+        assert self.chosen is not None, "render a prompt first"
+        return self.chosen.parse(turn_ids, context_ids)
+
+    def answer_ids(self, answers: list[ToolAnswer]) -> list[int]:
+        assert self.chosen is not None, "render a prompt first"
+        return self.chosen.answer_ids(answers)
+
+
 def make_format(name: str, tokenizer: Any, prompt_style: str) -> ToolFormat:
-    """The format called ``name``; ``auto`` is ``chat_template`` for chat prompts and ``text`` otherwise."""
+    """The format called ``name``; ``auto`` is ``chat_template`` for chat prompts and ``text`` otherwise, by the
+    prompts (:class:`AutoFormat`; ``prompt_style`` is the task's, which a ``dataset_name`` run's prompts need not
+    follow)."""
     if name not in TOOL_FORMATS:
         raise ConfigError(f"tool_format: unknown value {name!r}; choose one of {', '.join(TOOL_FORMATS)}")
     if name == "auto":
-        name = "chat_template" if prompt_style == "chat" else "text"
+        return AutoFormat(tokenizer)
     return ChatTemplateFormat(tokenizer) if name == "chat_template" else TextFormat(tokenizer)

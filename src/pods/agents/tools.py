@@ -20,6 +20,7 @@ __all__ = [
     "ToolAnswer",
     "ToolCall",
     "Toolbox",
+    "bind_text_arguments",
     "call_tools",
     "environment_rewards",
     "environment_tools",
@@ -155,8 +156,6 @@ def run_call(toolbox: Toolbox, call: ToolCall) -> ToolAnswer:
     arguments = call.arguments
     try:
         if call.text_arguments is not None:
-            from pods.agents.formats import bind_text_arguments
-
             arguments = bind_text_arguments(tool, call.text_arguments)
         inspect.signature(tool).bind(**arguments)
     except (TypeError, ValueError) as error:
@@ -196,3 +195,34 @@ def environment_rewards(environment_factory: Callable[[], Any] | None) -> list[E
         return []
     kind = environment_factory if isinstance(environment_factory, type) else type(environment_factory())
     return [EnvironmentReward(kind.__name__)] if callable(getattr(kind, "get_reward", None)) else []
+
+
+def bind_text_arguments(tool: Callable[..., Any], text: str) -> dict[str, Any]:
+    """Keyword arguments for ``tool`` from the text between its parentheses: the whole text for a tool of one
+    parameter, else comma-separated values in the parameters' order; ints, floats and bools converted by the type
+    hints. Raises ValueError naming what does not fit."""
+    parameters = list(inspect.signature(tool).parameters.values())
+    if not parameters:
+        if text:
+            raise ValueError(f"{tool.__name__} takes no arguments, got {text!r}")
+        return {}
+    values = [text] if len(parameters) == 1 else ([v.strip() for v in text.split(",")] if text else [])
+    required = [p for p in parameters if p.default is inspect.Parameter.empty]
+    if not len(required) <= len(values) <= len(parameters):
+        raise ValueError(f"{tool.__name__} takes {len(parameters)} arguments, got {len(values)}")
+    return {p.name: _convert(value, p) for p, value in zip(parameters, values, strict=False)}
+
+
+def _convert(value: str, parameter: inspect.Parameter) -> Any:
+    kind = parameter.annotation
+    kind = {"int": int, "float": float, "bool": bool, "str": str}.get(kind, kind)  # postponed annotations
+    try:
+        if kind is bool:
+            if value.lower() not in ("true", "false"):
+                raise ValueError
+            return value.lower() == "true"
+        if kind in (int, float):
+            return kind(value)
+    except ValueError:
+        raise ValueError(f"{parameter.name} must be {kind.__name__}, got {value!r}") from None
+    return value
