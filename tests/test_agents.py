@@ -321,3 +321,36 @@ def test_a_process_whose_episodes_ended_samples_in_step_with_the_others(tool_mod
     together = engine.episodes(rows, 4, sampling, most=lambda mine: mine or next(others)).rollouts
     assert together.texts == alone.texts and torch.equal(together.tool_mask, alone.tool_mask)
     assert calls == [*alone_calls, (1, 1), (1, 1), (1, 1)]  # its own turns, then 3 one-token ones
+
+
+class CalculatorDesk:
+    """An environment in TRL's shape: its calculator is its tool, and it owns a reward (``get_reward``): 1 for an
+    episode that used the calculator."""
+
+    def reset(self, **row) -> None:
+        self.uses = 0
+
+    def calculator(self, expression: str) -> str:
+        """Compute an expression.
+
+        Args:
+            expression: What to compute.
+        """
+        self.uses += 1
+        return calculator(expression)
+
+    def get_reward(self) -> float:
+        return float(self.uses > 0)
+
+
+def test_an_environment_that_owns_a_reward_is_scored_by_it(tmp_path) -> None:
+    """An environment factory whose environments define get_reward adds a reward named after the class, weighed
+    1 next to the configured ones (TRL's rule): here its mean over every episode is exactly the share of episodes
+    that called the environment's calculator."""
+    settings = {**SETTINGS, "max_steps": 1, "output_dir": str(tmp_path), "reward_weights": [1.0]}
+    trainer = PODSTrainer(TrainConfig.from_dict(settings), tools=[], environment_factory=CalculatorDesk)
+    assert trainer.config.reward_weights == [1.0, 1.0]
+    trainer.train()
+    (row,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert row["rewards/CalculatorDesk/mean"] == pytest.approx(row["tools/calling_share"])
+    assert 0 < row["tools/calling_share"] < 1
