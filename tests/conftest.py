@@ -51,6 +51,30 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+@pytest.fixture(scope="session")
+def tool_model_dir(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 (hidden 32) on the Qwen2.5 tokenizer and TRL's Qwen2.5 chat template, fitted in seconds to
+    answer "What is a times b?" with a call of ``multiply(3, 4)`` and any tool answer with ``Done.``
+    (tests/tool_model.py); skips without TRL (its chat template)."""
+    pytest.importorskip("trl")
+    from tool_model import fit_tool_model
+
+    return fit_tool_model(shared_data, tmp_path_factory.mktemp("tool-model"))
+
+
+@pytest.fixture(scope="session")
+def tool_vllm_model_dir(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`tool_model_dir` with head size 32 (hidden 64, 2 heads, fitted at a lower learning rate): vLLM's CPU
+    attention has no kernel for head size 8. It also calls the tool again after the answer ``tool_model.AGAIN``."""
+    pytest.importorskip("trl")
+    from tool_model import fit_tool_model
+
+    folder = tmp_path_factory.mktemp("tool-vllm-model")
+    return fit_tool_model(
+        shared_data, folder, hidden_size=64, num_heads=2, num_kv_heads=1, lr=1e-2, call_again=True
+    )
+
+
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():
     """accelerate keeps process-wide singletons; start every test without another test's settings."""

@@ -47,7 +47,8 @@ class _Episode:
 
 @dataclass
 class Episodes:
-    """A batch of finished episodes: the rollouts, and each rollout's environment (None without a factory)."""
+    """A batch of finished episodes: the rollouts, and each rollout's environment (None without a factory: reward
+    functions then get no ``environments``, as in TRL)."""
 
     rollouts: Rollouts
     environments: list[Any] | None
@@ -157,9 +158,8 @@ class MultiTurnEngine:
             contexts = [episodes[r].context + episodes[r].tokens for r in going]
             output = self.engine.generate_tokens(contexts, 1, replace(turn, max_new_tokens=budget))
             active = self._absorb(episodes, going, output)
-        return Episodes(
-            self._rollouts(episodes, encoded, n, first.sampling_logprobs is not None), environments
-        )
+        rollouts = self._rollouts(episodes, encoded, n, first.sampling_logprobs is not None)
+        return Episodes(rollouts, environments if self.environment_factory is not None else None)
 
     # ------------------------------------------------------------------ pieces
     def _environments(self, rows: list[dict[str, Any]], n: int) -> list[Any]:
