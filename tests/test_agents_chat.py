@@ -155,6 +155,44 @@ def test_chat_template_episodes_are_the_templates_conversation_with_tool_message
     assert len(set(answers)) == 4 and len({len(a) for a in answers}) > 1  # each call answered in its own row
     assert rollouts.episode_stats.tolist() == [[1, 0, 2]] * 4  # calls, errors, turns
     assert not rollouts.truncated.any()
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
+    assert rollouts.messages == [  # TRL's shape of the conversation, what rewards imported by path get
+        [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "multiply", "content": answer},
+            {"role": "assistant", "content": "Done."},
+        ]
+        for answer in answers
+    ]
+
+
+REWARD_FILE = """
+def reward(prompts, completions, **kwargs):
+    return [len([m for m in c if m["role"] == "tool"]) + (c[-1]["content"] == "Done.") for c in completions]
+"""
+
+
+def test_rewards_imported_by_path_get_the_episode_as_trls_messages(model_and_tokenizer, tmp_path):
+    """A reward function imported by path gets each chat episode as TRL hands it over: the assistant turns and
+    the tool messages (here: one tool message, then the model's "Done."); one from the Python API the text."""
+    from pods.config import TrainConfig
+    from pods.producer import score_batch
+    from pods.rewards.imported import ImportedReward
+
+    model, tokenizer = model_and_tokenizer
+    (tmp_path / "rewards.py").write_text(REWARD_FILE)
+    rows = chat_rows()
+    rollouts = run_episodes(HFGenerateEngine(model, tokenizer), rows, 2, tools=[multiply]).rollouts
+
+    def text(prompts, completions, **kwargs):
+        return [float(isinstance(c, str) and c.endswith("Done.")) for c in completions]
+
+    funcs = [ImportedReward(f"{tmp_path / 'rewards.py'}:reward"), text]
+    _, per_function = score_batch(funcs, TrainConfig(), rows, rollouts)
+    assert (
+        per_function["reward"].tolist() == [[2.0, 2.0]] * 2
+        and per_function["text"].tolist() == [[1.0, 1.0]] * 2
+    )
 
 
 def test_max_tool_calling_iterations_bounds_the_rounds(model_and_tokenizer):

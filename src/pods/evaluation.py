@@ -117,7 +117,9 @@ def evaluate(
         pairs = zip(rollouts.completion_ids, rollouts.completion_mask, strict=True)
         ids = [row[mask.bool()].tolist() for row, mask in pairs]
         # every column, as in training; a failing function is named with the completion it fails on
-        _, scores = score_completions([accuracy_fn], None, prompts, rollouts.texts, ids, columns)
+        _, scores = score_completions(
+            [accuracy_fn], None, prompts, rollouts.texts, ids, columns, conversations=rollouts.messages
+        )
         correct = next(iter(scores.values())) > 0.5  # None (NaN): not right
         formatted = torch.tensor([follows_format(text, prompt_style) for text in rollouts.texts])
         totals += torch.stack([correct.sum(), formatted.sum(), (correct & formatted).sum()]).double()

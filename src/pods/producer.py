@@ -126,6 +126,7 @@ def score_batch(
         completion_ids,
         columns,
         timeout=config.reward_timeout,
+        conversations=rollouts.messages,
     )
     shape = (len(batch), n)
     return total.view(shape), {name: values.view(shape) for name, values in per_function.items()}

@@ -411,7 +411,9 @@ class BehaviourLogprobs:
     def generate(self, prompts: list[str], num_generations: int, sampling: Any) -> Any:
         from pods.rollout.base import tokenize_prompts
 
-        return self.generate_tokens(tokenize_prompts(self.engine, prompts, num_generations), num_generations, sampling)
+        return self.generate_tokens(
+            tokenize_prompts(self.engine, prompts, num_generations), num_generations, sampling
+        )
 
     def generate_tokens(self, encoded: list[list[int]], num_generations: int, sampling: Any) -> Any:
         """:meth:`generate` from token ids (a multi-turn episode's turns: each turn's log-probs under its context)."""

@@ -69,6 +69,7 @@ def score_completions(
     completion_ids: list[list[int]],
     columns: dict[str, list[Any]],
     timeout: float | None = None,
+    conversations: list[list[dict[str, Any]]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted sum of every reward function per completion: ``(total[N], {name: per_function[N]})``, each
     function under its distinct name (:func:`reward_names`).
@@ -77,18 +78,24 @@ def score_completions(
     with one entry per completion. A ``None`` score means "does not apply" and adds nothing, as in TRL;
     a completion that every function scores ``None`` is unscorable and its total is NaN (TRL's rule: it
     is left out of the group's mean and std and trained with advantage 0).
-    A call that takes longer than ``timeout`` seconds raises :class:`RewardFunctionError`.
+    A call that takes longer than ``timeout`` seconds raises :class:`RewardFunctionError`. ``conversations``
+    (multi-turn episodes of chat prompts): what functions imported by path get as completions, TRL's messages.
     """
+    from pods.rewards.imported import ImportedReward
+
     weights = list(weights) if weights is not None else [1.0] * len(reward_funcs)
     total = torch.zeros(len(completions), dtype=torch.float64)
     per_function: dict[str, torch.Tensor] = {}
     for fn, weight, name in zip(reward_funcs, weights, reward_names(reward_funcs), strict=True):
         try:
+            given = (
+                conversations if conversations is not None and isinstance(fn, ImportedReward) else completions
+            )
             scores = call_with_timeout(
                 fn,
                 timeout,
                 prompts=prompts,
-                completions=completions,
+                completions=given,
                 completion_ids=completion_ids,
                 **columns,
             )

@@ -43,6 +43,9 @@ class _Episode:
     rounds: int = 0  # rounds of tool calls answered
     turn_length: int = 0  # tokens of the last model turn
     pending: list[ToolCall] = field(default_factory=list)  # the last turn's calls, to answer next
+    messages: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # the conversation (chat formats), TRL's shape
 
 
 @dataclass
@@ -150,6 +153,10 @@ class MultiTurnEngine:
                 episode.tokens += suffix
                 episode.sampled += [0] * len(suffix)
                 episode.logprobs += [0.0] * len(suffix)
+                if episode.messages:  # the tool messages follow the assistant turn that called them
+                    episode.messages += [
+                        {"role": "tool", "name": a.name, "content": a.text} for a in row_answers
+                    ]
                 going.append(r)
             if not going:
                 active = []
@@ -238,6 +245,9 @@ class MultiTurnEngine:
                 self.max_tool_calling_iterations is None or episode.rounds < self.max_tool_calling_iterations
             )
             episode.pending = self.format.parse(tokens, self._before(episode)) if tokens else []
+            message = self.format.assistant_message(tokens, self._before(episode), episode.pending)
+            if message is not None:
+                episode.messages.append(message)
             if episode.pending and not episode.truncated and rounds_left:
                 going.append(r)
         return going
@@ -271,6 +281,7 @@ class MultiTurnEngine:
             sampling_logprobs=sampler if logprobs else None,
             tool_mask=sampled,
             episode_stats=torch.tensor([[e.calls, e.errors, e.turns] for e in episodes], dtype=torch.long),
+            messages=[e.messages for e in episodes] if episodes[0].messages else None,
         )
 
 

@@ -48,6 +48,12 @@ class ToolFormat(Protocol):
         """The tokens that follow a turn's calls: their answers, and whatever opens the model's next turn."""
         ...
 
+    def assistant_message(
+        self, turn_ids: list[int], context_ids: list[int], calls: list[ToolCall]
+    ) -> dict[str, Any] | None:
+        """The turn as a chat message, as TRL hands completions of chat prompts to rewards; None: text episodes."""
+        ...
+
 
 class TextFormat:
     """``<call>name(arguments)</call>`` then ``<result>text</result>``: a format small models learn in minutes."""
@@ -80,6 +86,11 @@ class TextFormat:
     def answer_ids(self, answers: list[ToolAnswer]) -> list[int]:
         text = "".join(f"<result>{answer.text}</result>" for answer in answers)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def assistant_message(
+        self, turn_ids: list[int], context_ids: list[int], calls: list[ToolCall]
+    ) -> dict[str, Any] | None:
+        return None  # text prompts: rewards get the episode's text
 
 
 class ChatTemplateFormat:
@@ -152,6 +163,24 @@ class ChatTemplateFormat:
             )
         return after[len(before) :]
 
+    def assistant_message(
+        self, turn_ids: list[int], context_ids: list[int], calls: list[ToolCall]
+    ) -> dict[str, Any] | None:
+        """A model turn as TRL's parsed assistant message: the tokenizer's own parse where it has a response template,
+        else the text outside the ``<tool_call>`` blocks and the calls read from them."""
+        if self.has_parser:
+            message = dict(self.tokenizer.parse_response(turn_ids, prefix=context_ids))
+            message.setdefault("role", "assistant")
+            return message
+        text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
+        message: dict[str, Any] = {"role": "assistant", "content": self.HERMES.sub("", text).strip()}
+        readable = [c for c in calls if c.invalid is None]
+        if readable:
+            message["tool_calls"] = [
+                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in readable
+            ]
+        return message
+
 
 def _message_call(call: Any) -> ToolCall:
     """A ToolCall from a parsed message's ``{"type": "function", "function": {"name", "arguments"}}``."""
@@ -200,6 +229,12 @@ class AutoFormat:
     def answer_ids(self, answers: list[ToolAnswer]) -> list[int]:
         assert self.chosen is not None, "render a prompt first"
         return self.chosen.answer_ids(answers)
+
+    def assistant_message(
+        self, turn_ids: list[int], context_ids: list[int], calls: list[ToolCall]
+    ) -> dict[str, Any] | None:
+        assert self.chosen is not None, "render a prompt first"
+        return self.chosen.assistant_message(turn_ids, context_ids, calls)
 
 
 def make_format(name: str, tokenizer: Any, prompt_style: str) -> ToolFormat:

@@ -78,6 +78,9 @@ class Rollouts:
     # [P*n, 3] multi-turn rollouts: tool calls made, calls answered with an error, model turns
     # (pods.agents.EPISODE_STATS). None: single-turn rollouts.
     episode_stats: torch.Tensor | None = None
+    # per row, the episode as chat messages in TRL's shape (assistant turns with their tool_calls, tool messages),
+    # what user reward functions get as completions of chat prompts. None: text episodes and single turns.
+    messages: list[list[dict]] | None = None
 
     def __post_init__(self) -> None:
         rows = self.num_prompts * self.num_generations
@@ -107,8 +110,14 @@ class Rollouts:
             )
         if self.tool_mask is not None:
             check_tool_mask(self.tool_mask, tuple(self.completion_ids.shape))
+        if self.messages is not None and len(self.messages) != rows:
+            raise ValueError(
+                f"messages must hold one conversation per row ({rows}), got {len(self.messages)}."
+            )
         if self.episode_stats is not None and tuple(self.episode_stats.shape) != (rows, 3):
-            raise ValueError(f"episode_stats must have shape ({rows}, 3), got {tuple(self.episode_stats.shape)}.")
+            raise ValueError(
+                f"episode_stats must have shape ({rows}, 3), got {tuple(self.episode_stats.shape)}."
+            )
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -163,6 +172,7 @@ class Rollouts:
             ),
             tool_mask=None if self.tool_mask is None else self.tool_mask[rows][:, :completion_end],
             episode_stats=None if self.episode_stats is None else self.episode_stats[rows],
+            messages=None if self.messages is None else [self.messages[i] for i in rows.tolist()],
         )
 
 
@@ -210,6 +220,11 @@ def concat_rollouts(parts: list[Rollouts], pad_id: int = 0) -> Rollouts:
             None
             if all(p.episode_stats is None for p in parts)
             else torch.cat([episode_stats_of(p) for p in parts])
+        ),
+        messages=(
+            None
+            if all(p.messages is None for p in parts)
+            else [m for p in parts for m in (p.messages or [[] for _ in range(len(p))])]
         ),
     )
 

@@ -279,7 +279,9 @@ class VLLMEngine:
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
         """``num_generations`` completions of each prompt, prompt-major, with the log-probs vLLM sampled."""
-        return self.generate_tokens(tokenize_prompts(self, prompts, num_generations), num_generations, sampling)
+        return self.generate_tokens(
+            tokenize_prompts(self, prompts, num_generations), num_generations, sampling
+        )
 
     def generate_tokens(
         self, encoded: list[list[int]], num_generations: int, sampling: SamplingParams

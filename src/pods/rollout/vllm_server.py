@@ -368,7 +368,9 @@ class VLLMServerEngine:
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
         """``num_generations`` completions of each prompt, prompt-major, with the log-probs the server sampled."""
-        return self.generate_tokens(tokenize_prompts(self, prompts, num_generations), num_generations, sampling)
+        return self.generate_tokens(
+            tokenize_prompts(self, prompts, num_generations), num_generations, sampling
+        )
 
     def generate_tokens(
         self, encoded: list[list[int]], num_generations: int, sampling: SamplingParams
