@@ -168,13 +168,14 @@ def test_chat_template_episodes_are_the_templates_conversation_with_tool_message
 
 REWARD_FILE = """
 def reward(prompts, completions, **kwargs):
-    return [len([m for m in c if m["role"] == "tool"]) + (c[-1]["content"] == "Done.") for c in completions]
+    return [len([m for m in c if m["role"] == "tool"]) + ("tool_calls" in c[0]) for c in completions]
 """
 
 
 def test_rewards_imported_by_path_get_the_episode_as_trls_messages(model_and_tokenizer, tmp_path):
     """A reward function imported by path gets each chat episode as TRL hands it over: the assistant turns and
-    the tool messages (here: one tool message, then the model's "Done."); one from the Python API the text."""
+    the tool messages (here: an assistant turn with its call, one tool message); one from the Python API the
+    text."""
     from pods.config import TrainConfig
     from pods.producer import score_batch
     from pods.rewards.imported import ImportedReward
@@ -185,7 +186,7 @@ def test_rewards_imported_by_path_get_the_episode_as_trls_messages(model_and_tok
     rollouts = run_episodes(HFGenerateEngine(model, tokenizer), rows, 2, tools=[multiply]).rollouts
 
     def text(prompts, completions, **kwargs):
-        return [float(isinstance(c, str) and c.endswith("Done.")) for c in completions]
+        return [float(isinstance(c, str) and "<tool_response>" in c) for c in completions]
 
     funcs = [ImportedReward(f"{tmp_path / 'rewards.py'}:reward"), text]
     _, per_function = score_batch(funcs, TrainConfig(), rows, rollouts)
