@@ -538,19 +538,18 @@ def test_pods_train_with_a_users_environment_and_tools_from_outside_the_reposito
     tool_vllm_model_dir: Path, user_folder: Path, tmp_path: Path
 ):
     """`pods train --environment_factory env.py:Env --reward_funcs rewards.py:from_environment` for 3 steps on HF
-    generate and on vLLM (colocated); `--tools tools.py:multiply` for 2 steps on HF and on a vLLM server pods starts
-    (`vllm_mode: server`, each turn a request from token ids). Four runs at once (their start-up is most of it)."""
+    generate and on vLLM (colocated); `--tools tools.py:multiply` for 2 steps on a vLLM server pods starts
+    (`vllm_mode: server`, each turn a request from token ids; tests/test_agents.py runs `--tools` on HF). Three
+    runs at once (their start-up is most of it)."""
     model, folder = tool_vllm_model_dir, user_folder
     runs = {
         "hf": start(train_arguments(model, folder, "env", 3), tmp_path / "hf"),
         "vllm": start(train_arguments(model, folder, "env", 3, **VLLM), tmp_path / "vllm"),
-        "tools": start(train_arguments(model, folder, "tools", 2), tmp_path / "tools"),
         "server": start(train_arguments(model, folder, "tools", 2, **SERVER), tmp_path / "server"),
     }
     finish(runs, timeout=500)
     check_environment_run(tmp_path / "hf", 3)
     check_environment_run(tmp_path / "vllm", 3)
-    check_tools_run(tmp_path / "tools", 2)
     check_tools_run(tmp_path / "server", 2)
     for name in ("vllm", "server"):  # the sampler's log-probs of the sampled tokens are the trainer's
         assert all(
