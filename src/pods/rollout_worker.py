@@ -46,6 +46,7 @@ from pods.pipes import NOTHING, Link, PeerGone
 from pods.process_exit import exit_process
 from pods.producer import ProducedBatch, ProducerState
 from pods.prompt_filter import SampledGroups
+from pods.rollout.base import EngineWrapper, tokenize_prompts
 from pods.weight_sync import TensorLayout, WeightReceiver, weights_store
 
 __all__ = [
@@ -392,7 +393,7 @@ def _incoming_weights(
     return receiver.receive
 
 
-class BehaviourLogprobs:
+class BehaviourLogprobs(EngineWrapper):
     """An engine whose rollouts carry the log-probs they were sampled with: vLLM reports them; for HF
     ``generate`` they are computed right after sampling, by the same weights, under the same temperature and
     top-k / top-p (what the trainer's truncated importance weights compare against), and both run under the
@@ -400,17 +401,11 @@ class BehaviourLogprobs:
     prepared)."""
 
     def __init__(self, engine: Any, model: torch.nn.Module, config: Any) -> None:
-        self.engine, self.model, self.config = engine, model, config
+        super().__init__(engine)
+        self.model, self.config = model, config
         self.precision = mixed_precision(config, next(model.parameters()).device)
 
-    def __getattr__(self, name: str) -> Any:  # tokenizer, pad_token_id, ... of the engine inside
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
-
     def generate(self, prompts: list[str], num_generations: int, sampling: Any) -> Any:
-        from pods.rollout.base import tokenize_prompts
-
         return self.generate_tokens(
             tokenize_prompts(self.engine, prompts, num_generations), num_generations, sampling
         )
@@ -441,17 +436,6 @@ class BehaviourLogprobs:
                 token_budget=self.config.token_budget,
             ).float()
         return rollouts
-
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        self.engine.sync_weights(model)
-
-    def round_multiple(self, num_generations: int) -> int:
-        return self.engine.round_multiple(num_generations)
-
-    def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
 
 
 def mixed_precision(config: Any, device: torch.device) -> Any:

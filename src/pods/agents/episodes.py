@@ -20,7 +20,7 @@ import torch
 from pods.agents.formats import ToolFormat
 from pods.agents.tools import Toolbox, ToolCall, call_tools, tool_schemas
 from pods.errors import ConfigError
-from pods.rollout.base import Rollouts, SamplingParams, left_pad, tokenize_prompts
+from pods.rollout.base import EngineWrapper, Rollouts, SamplingParams, left_pad, tokenize_prompts
 
 __all__ = ["EPISODE_STATS", "Episodes", "MultiTurnEngine", "sample_rollouts"]
 
@@ -57,7 +57,7 @@ class Episodes:
     environments: list[Any] | None
 
 
-class MultiTurnEngine:
+class MultiTurnEngine(EngineWrapper):
     """A rollout engine (HF ``generate``, vLLM colocated or served, the rollout worker's) run turn by turn with
     tools: :meth:`episodes` for rows of data; the engine protocol's other methods go to the engine inside."""
 
@@ -74,33 +74,15 @@ class MultiTurnEngine:
     ) -> None:
         if not tools and environment_factory is None:
             raise ConfigError("a multi-turn run needs tools or an environment_factory")
-        self.engine = engine
+        super().__init__(engine)
         self.format = tool_format
         self.tools = list(tools or [])
         self.environment_factory = environment_factory
         self.max_tool_calling_iterations = max_tool_calling_iterations
         self.tool_timeout = tool_timeout
         self.max_completion_length = max_completion_length
-        self.tokenizer = engine.tokenizer
         Toolbox(self.tools)  # two tools of one name fail now, not at the first call
         self._schemas: dict[type, list[dict[str, Any]]] = {}
-
-    # the engine protocol, for the trainer's and worker's other uses of an engine
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        self.engine.sync_weights(model)
-
-    def round_multiple(self, num_generations: int) -> int:
-        return self.engine.round_multiple(num_generations)
-
-    def close(self) -> None:
-        closer = getattr(self.engine, "close", None)
-        if closer is not None:
-            closer()
-
-    def __getattr__(self, name: str) -> Any:  # pad_token_id, model, ... of the engine inside
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
 
     def generate(self, prompts: list[str], num_generations: int, sampling: SamplingParams) -> Rollouts:
         raise TypeError(

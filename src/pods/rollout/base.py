@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 __all__ = [
+    "EngineWrapper",
     "RolloutEngine",
     "Rollouts",
     "SamplingParams",
@@ -371,6 +372,31 @@ def batch_multiple(on_gpu: bool, rows_per_batch: int, num_generations: int) -> i
     batch of the engine (decoding is memory-bound there, so a full batch costs about what a partial one does);
     on a CPU 1, since every row costs its own share of the time."""
     return max(1, rows_per_batch // num_generations) if on_gpu else 1
+
+
+class EngineWrapper:
+    """A rollout engine around another (the rollout worker's behaviour log-probs, multi-turn episodes): the engine
+    protocol's other methods and the inner engine's attributes (``tokenizer``, ``pad_token_id``, ...) are its."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "engine":  # not set yet (unpickling, a failed __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.engine.sync_weights(model)
+
+    def round_multiple(self, num_generations: int) -> int:
+        return self.engine.round_multiple(num_generations)
+
+    def close(self) -> None:
+        """Close the engine inside, where it has anything to close (a vLLM server pods started)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
 
 @runtime_checkable
