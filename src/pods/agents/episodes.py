@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pods.agents.formats import ToolFormat
+from pods.agents.formats import ToolFormat, Turn
 from pods.agents.tools import Toolbox, ToolCall, call_tools, tool_schemas
 from pods.errors import ConfigError
 from pods.rollout.base import EngineWrapper, Rollouts, SamplingParams, left_pad, tokenize_prompts
@@ -226,10 +226,10 @@ class MultiTurnEngine(EngineWrapper):
             rounds_left = (
                 self.max_tool_calling_iterations is None or episode.rounds < self.max_tool_calling_iterations
             )
-            episode.pending = self.format.parse(tokens, self._before(episode)) if tokens else []
-            message = self.format.assistant_message(tokens, self._before(episode), episode.pending)
-            if message is not None:
-                episode.messages.append(message)
+            turn = self.format.read_turn(tokens, self._before(episode)) if tokens else Turn([])
+            episode.pending = turn.calls
+            if turn.message is not None:
+                episode.messages.append(turn.message)
             if episode.pending and not episode.truncated and rounds_left:
                 going.append(r)
         return going

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pods.agents.tools import ToolAnswer, ToolCall
@@ -25,6 +26,7 @@ __all__ = [
     "ChatTemplateFormat",
     "TextFormat",
     "ToolFormat",
+    "Turn",
     "make_format",
 ]
 
@@ -40,19 +42,22 @@ class ToolFormat(Protocol):
         """The prompt text the model sees first (the tools described where the format does)."""
         ...
 
-    def parse(self, turn_ids: list[int], context_ids: list[int]) -> list[ToolCall]:
-        """The calls in one model turn (its token ids, after ``context_ids``); none ends the episode."""
+    def read_turn(self, turn_ids: list[int], context_ids: list[int]) -> Turn:
+        """One model turn (its token ids, after ``context_ids``): its calls (none ends the episode) and its message."""
         ...
 
     def answer_ids(self, answers: list[ToolAnswer]) -> list[int]:
         """The tokens that follow a turn's calls: their answers, and whatever opens the model's next turn."""
         ...
 
-    def assistant_message(
-        self, turn_ids: list[int], context_ids: list[int], calls: list[ToolCall]
-    ) -> dict[str, Any] | None:
-        """The turn as a chat message, as TRL hands completions of chat prompts to rewards; None: text episodes."""
-        ...
+
+@dataclass(frozen=True)
+class Turn:
+    """A model turn as a format reads it: the tool calls it makes, and the turn as a chat message in TRL's shape
+    (``content``, ``tool_calls``), what rewards get as completions of chat prompts; None for text episodes."""
+
+    calls: list[ToolCall]
+    message: dict[str, Any] | None = None
 
 
 class TextFormat:
@@ -70,7 +75,7 @@ class TextFormat:
 
         return render_prompt(prompt, self.tokenizer)
 
-    def parse(self, turn_ids: list[int], context_ids: list[int]) -> list[ToolCall]:
+    def read_turn(self, turn_ids: list[int], context_ids: list[int]) -> Turn:
         text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
         calls = []
         for body in self.CALL.findall(text):
@@ -81,16 +86,11 @@ class TextFormat:
                 )
             else:
                 calls.append(ToolCall(match.group(1), {}, text_arguments=match.group(2).strip()))
-        return calls
+        return Turn(calls)  # text prompts: rewards get the episode's text
 
     def answer_ids(self, answers: list[ToolAnswer]) -> list[int]:
         text = "".join(f"<result>{answer.text}</result>" for answer in answers)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def assistant_message(
-        self, turn_ids: list[int], context_ids: list[int], calls: list[ToolCall]
-    ) -> dict[str, Any] | None:
-        return None  # text prompts: rewards get the episode's text
 
 
 class ChatTemplateFormat:
@@ -117,7 +117,7 @@ class ChatTemplateFormat:
                 "calls cannot be read; set tokenizer.response_template (TRL's add_response_schema does it for "
                 "known models)"
             )
-        self._suffixes: dict[str, list[int]] = {}
+        self._call_turns: dict[str, list[int]] = {}  # tool name -> a call turn's tokens up to its EOS
 
     def render(self, prompt: Any, schemas: list[dict[str, Any]]) -> str:
         if not isinstance(prompt, list):
@@ -129,20 +129,29 @@ class ChatTemplateFormat:
             prompt, tools=schemas or None, add_generation_prompt=True, tokenize=False
         )
 
-    def parse(self, turn_ids: list[int], context_ids: list[int]) -> list[ToolCall]:
+    def read_turn(self, turn_ids: list[int], context_ids: list[int]) -> Turn:
+        """The turn as TRL reads it: the tokenizer's own ``parse_response`` where it has a response template, else
+        the calls in its ``<tool_call>`` blocks and the text outside them."""
         if self.has_parser:
-            message = self.tokenizer.parse_response(turn_ids, prefix=context_ids)
-            return [_message_call(call) for call in (message.get("tool_calls") or [])]
-        text = self.tokenizer.decode(turn_ids, skip_special_tokens=False)
+            message = dict(self.tokenizer.parse_response(turn_ids, prefix=context_ids))
+            message.setdefault("role", "assistant")
+            return Turn([_message_call(call) for call in (message.get("tool_calls") or [])], message)
         calls = []
-        for body in self.HERMES.findall(text):
+        for body in self.HERMES.findall(self.tokenizer.decode(turn_ids, skip_special_tokens=False)):
             try:
                 call = json.loads(body)
             except json.JSONDecodeError as error:
                 calls.append(ToolCall("?", {}, f"the tool call is not valid JSON ({error.msg})"))
                 continue
             calls.append(_message_call({"function": call} if isinstance(call, dict) else call))
-        return calls
+        text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
+        message: dict[str, Any] = {"role": "assistant", "content": self.HERMES.sub("", text).strip()}
+        readable = [c for c in calls if c.invalid is None]
+        if readable:
+            message["tool_calls"] = [
+                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in readable
+            ]
+        return Turn(calls, message)
 
     def answer_ids(self, answers: list[ToolAnswer]) -> list[int]:
         """The tokens the chat template writes after an assistant turn with calls for these tool messages (the
@@ -151,35 +160,18 @@ class ChatTemplateFormat:
         call = {"type": "function", "function": {"name": answers[0].name, "arguments": {}}}
         turn = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
         render = self.tokenizer.apply_chat_template
-        before = list(render(turn, add_generation_prompt=False, tokenize=True, return_dict=False))
+        if answers[0].name not in self._call_turns:  # the same for every answer of that tool: render it once
+            before = list(render(turn, add_generation_prompt=False, tokenize=True, return_dict=False))
+            eos = [i for i, token in enumerate(before) if token == self.tokenizer.eos_token_id]
+            self._call_turns[answers[0].name] = before[: eos[-1] + 1] if eos else before
+        before = self._call_turns[answers[0].name]
         after = list(render(turn + messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-        eos = [i for i, token in enumerate(before) if token == self.tokenizer.eos_token_id]
-        if eos:
-            before = before[: eos[-1] + 1]
         if after[: len(before)] != before:
             raise ConfigError(
                 "tool_format: chat_template: the chat template renders an assistant turn differently once tool "
                 "messages follow it, so the tool answers' tokens cannot be appended to what the model wrote"
             )
         return after[len(before) :]
-
-    def assistant_message(
-        self, turn_ids: list[int], context_ids: list[int], calls: list[ToolCall]
-    ) -> dict[str, Any] | None:
-        """A model turn as TRL's parsed assistant message: the tokenizer's own parse where it has a response template,
-        else the text outside the ``<tool_call>`` blocks and the calls read from them."""
-        if self.has_parser:
-            message = dict(self.tokenizer.parse_response(turn_ids, prefix=context_ids))
-            message.setdefault("role", "assistant")
-            return message
-        text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
-        message: dict[str, Any] = {"role": "assistant", "content": self.HERMES.sub("", text).strip()}
-        readable = [c for c in calls if c.invalid is None]
-        if readable:
-            message["tool_calls"] = [
-                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in readable
-            ]
-        return message
 
 
 def _message_call(call: Any) -> ToolCall:
@@ -222,19 +214,13 @@ class AutoFormat:
             )
         return self.chosen.render(prompt, schemas)
 
-    def parse(self, turn_ids: list[int], context_ids: list[int]) -> list[ToolCall]:
+    def read_turn(self, turn_ids: list[int], context_ids: list[int]) -> Turn:
         assert self.chosen is not None, "render a prompt first"
-        return self.chosen.parse(turn_ids, context_ids)
+        return self.chosen.read_turn(turn_ids, context_ids)
 
     def answer_ids(self, answers: list[ToolAnswer]) -> list[int]:
         assert self.chosen is not None, "render a prompt first"
         return self.chosen.answer_ids(answers)
-
-    def assistant_message(
-        self, turn_ids: list[int], context_ids: list[int], calls: list[ToolCall]
-    ) -> dict[str, Any] | None:
-        assert self.chosen is not None, "render a prompt first"
-        return self.chosen.assistant_message(turn_ids, context_ids, calls)
 
 
 def make_format(name: str, tokenizer: Any, prompt_style: str) -> ToolFormat:
