@@ -70,23 +70,14 @@ PURPOSE = {
 }
 
 
-def model_card(metrics: dict) -> str:
-    """The README.md shipped next to the weights: what the model is, how it was built, what it scores."""
-    task, g, s = metrics["task"], metrics["greedy"], metrics["sampled_t1"]
-    folder = EMBEDDED_MODELS[task].folder
-    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-    rates = metrics["misconception_rates"]
-    misread = ", ".join(f"{int(100 * rate)}% of {MISREADINGS[kind]}" for kind, rate in rates.items())
-    traps = sorted(g["accuracy_by_traps"], key=int)
-    trap_head = " | ".join(f"{k} trap{'s' * (k != '1')}" for k in traps)
-    rows = "\n".join(
-        f"| {name} | {pct(m['accuracy'])} | "
-        + " | ".join(pct(m["accuracy_by_traps"][k]) for k in traps)
-        + " |"
-        for name, m in (("greedy", g), ("sampled, temperature 1.0", s))
-    )
-    groups = metrics["sample_successes"]
-    return f"""# {folder}: an embedded base model of `pods`
+def percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def card_top(metrics: dict, kind: str) -> str:
+    """A card's title and its paragraph on the model (size, tokenizer, purpose, weights), then the task."""
+    task = metrics["task"]
+    return f"""# {EMBEDDED_MODELS[task].folder}: an embedded {kind}base model of `pods`
 
 A {metrics["parameters"] / 1e6:.2f}M-parameter Llama-architecture causal LM (hidden {MODEL_CONFIG["hidden_size"]},
 {MODEL_CONFIG["num_hidden_layers"]} layers, {MODEL_CONFIG["num_attention_heads"]} heads, MLP {MODEL_CONFIG["intermediate_size"]},
@@ -96,7 +87,39 @@ Weights are stored in float32 ({metrics["weights_mb"]:.1f} MB).
 
 ## Task
 {TASK_TEXT[task]}
+"""
 
+
+def card_bottom(metrics: dict, unknown_words: str) -> str:
+    """A card's per-sample success, informative-group shares and sampling speed, then what the model is not."""
+    groups = metrics["sample_successes"]
+    return f"""
+Per-sample success (temperature 1.0, {groups["samples"]} samples on each of {groups["problems"]} problems):
+{percent(groups["per_sample"])} of samples are right; {percent(groups["problems_never_solved"])} of problems have no right sample.
+Share of groups with both a right and a wrong completion (a non-zero advantage):
+{percent(groups["informative_n4"])} at n = 4, {percent(groups["informative_n16"])} at n = 16.
+
+Generation speed (HF `generate`, KV cache, 16 prompts x 16 samples, 32 new tokens, median of 3):
+{metrics["generate_16x16x32_s"]:.2f} s.
+
+Not a general language model: it knows only this task's vocabulary ({unknown_words} become `<unk>`).
+"""
+
+
+def model_card(metrics: dict) -> str:
+    """The README.md shipped next to the weights: what the model is, how it was built, what it scores."""
+    task, g, s = metrics["task"], metrics["greedy"], metrics["sampled_t1"]
+    rates = metrics["misconception_rates"]
+    misread = ", ".join(f"{int(100 * rate)}% of {MISREADINGS[kind]}" for kind, rate in rates.items())
+    traps = sorted(g["accuracy_by_traps"], key=int)
+    trap_head = " | ".join(f"{k} trap{'s' * (k != '1')}" for k in traps)
+    rows = "\n".join(
+        f"| {name} | {percent(m['accuracy'])} | "
+        + " | ".join(percent(m["accuracy_by_traps"][k]) for k in traps)
+        + " |"
+        for name, m in (("greedy", g), ("sampled, temperature 1.0", s))
+    )
+    middle = f"""
 ## How it was built
 `python scripts/build_default_model.py --task {task} --steps {metrics["steps"]} --seed {metrics["seed"]}` (supervised
 training, loss on the solution only): {metrics["steps"]} steps of batch {metrics["batch_size"]} on distinct train-split
@@ -111,41 +134,19 @@ right ones, and RL with a correctness reward has something to select. Training t
 | decoding | all | {trap_head} |
 |---|---|{"---|" * len(traps)}
 {rows}
-
-Per-sample success (temperature 1.0, {groups["samples"]} samples on each of {groups["problems"]} problems):
-{pct(groups["per_sample"])} of samples are right; {pct(groups["problems_never_solved"])} of problems have no right sample.
-Share of groups with both a right and a wrong completion (a non-zero advantage):
-{pct(groups["informative_n4"])} at n = 4, {pct(groups["informative_n16"])} at n = 16.
-
-Generation speed (HF `generate`, KV cache, 16 prompts x 16 samples, 32 new tokens, median of 3):
-{metrics["generate_16x16x32_s"]:.2f} s.
-
-Not a general language model: it knows only this task's vocabulary (other words become `<unk>`).
 """
+    return card_top(metrics, "") + middle + card_bottom(metrics, "other words")
 
 
 def tool_model_card(metrics: dict) -> str:
     """The README.md of the tool task's model: accuracy split by whether a completion calls the tool."""
     task, g, s = metrics["task"], metrics["greedy"], metrics["sampled_t1"]
-    folder = EMBEDDED_MODELS[task].folder
-    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     rows = "\n".join(
-        f"| {name} | {pct(m['accuracy'])} | {pct(m['tool_call_share'])} | {pct(m['accuracy_tool'])} | "
-        f"{pct(m['accuracy_guess'])} |"
+        f"| {name} | {percent(m['accuracy'])} | {percent(m['tool_call_share'])} | {percent(m['accuracy_tool'])} | "
+        f"{percent(m['accuracy_guess'])} |"
         for name, m in (("greedy", g), ("sampled, temperature 1.0", s))
     )
-    groups = metrics["sample_successes"]
-    return f"""# {folder}: an embedded tool-calling base model of `pods`
-
-A {metrics["parameters"] / 1e6:.2f}M-parameter Llama-architecture causal LM (hidden {MODEL_CONFIG["hidden_size"]},
-{MODEL_CONFIG["num_hidden_layers"]} layers, {MODEL_CONFIG["num_attention_heads"]} heads, MLP {MODEL_CONFIG["intermediate_size"]},
-tied embeddings) with a {metrics["vocab_size"]}-token word-level tokenizer (one token per digit), trained from
-scratch by `pods` itself. {PURPOSE[task]}
-Weights are stored in float32 ({metrics["weights_mb"]:.1f} MB).
-
-## Task
-{TASK_TEXT[task]}
-
+    middle = f"""
 ## How it was built
 `python scripts/build_default_model.py --task {task} --steps {metrics["steps"]} --seed {metrics["seed"]}` (supervised
 training, loss on the solution only and never on the tool's answer `<result>...</result>`): {metrics["steps"]} steps
@@ -160,18 +161,9 @@ a 1M-parameter model cannot learn 6-digit products, so its guesses are wrong. Tr
 | decoding | all | calls the tool | right when it calls | right when it guesses |
 |---|---|---|---|---|
 {rows}
-
-Per-sample success (temperature 1.0, {groups["samples"]} samples on each of {groups["problems"]} problems):
-{pct(groups["per_sample"])} of samples are right; {pct(groups["problems_never_solved"])} of problems have no right sample.
-Share of groups with both a right and a wrong completion (a non-zero advantage):
-{pct(groups["informative_n4"])} at n = 4, {pct(groups["informative_n16"])} at n = 16.
-
-Generation speed (HF `generate`, KV cache, 16 prompts x 16 samples, 32 new tokens, median of 3):
-{metrics["generate_16x16x32_s"]:.2f} s.
-
-Not a general language model: it knows only this task's vocabulary (other words, such as those of a tool's
-error message, become `<unk>`).
 """
+    words = "other words, such as those of a tool's\nerror message,"
+    return card_top(metrics, "tool-calling ") + middle + card_bottom(metrics, words)
 
 
 def measure(out: Path, record: dict, *, eval_problems: int) -> dict:
